@@ -1,0 +1,161 @@
+"""The KV cache: one small type with a few verbs.
+
+`KVCache` is a transformers `Cache` whose layers keep keys and values in preallocated buffers and hand
+the model views of the filled part, so appending a step costs a copy of the new tokens only (not of the
+whole prefix, as concatenation would). Verbs: `length`, `crop(n)`, `keep(slots)`, `gather(slots)`,
+`append(kv)`, `rotate(slots, delta)`. Slot i of a cache always holds the key rotated to RoPE position
+`rope_positions[i]`; `reposition` re-rotates keys so the draft sees compact positions.
+
+Knows tensors and RoPE; knows nothing of drafting, verification or retrieval.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each (B, H_kv, T, D)
+
+
+class BufferLayer(CacheLayerMixin):
+    """One layer's keys and values in a buffer that grows by doubling."""
+
+    is_croppable = True
+
+    def __init__(self, capacity: int = 0) -> None:
+        super().__init__()
+        self.length = 0
+        self.capacity = capacity
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, tokens, dim = key_states.shape
+        size = max(self.capacity, tokens, 16)
+        self.keys = key_states.new_empty((batch, heads, size, dim))
+        self.values = value_states.new_empty((batch, heads, size, value_states.shape[-1]))
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def _reserve(self, needed: int) -> None:
+        size = self.keys.shape[2]
+        if needed <= size:
+            return
+        while size < needed:
+            size *= 2
+        keys = self.keys.new_empty((*self.keys.shape[:2], size, self.keys.shape[3]))
+        values = self.values.new_empty((*self.values.shape[:2], size, self.values.shape[3]))
+        keys[:, :, : self.length] = self.keys[:, :, : self.length]
+        values[:, :, : self.length] = self.values[:, :, : self.length]
+        self.keys, self.values = keys, values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, end = self.length, self.length + key_states.shape[2]
+        self._reserve(end)
+        self.keys[:, :, start:end] = key_states
+        self.values[:, :, start:end] = value_states
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def crop(self, max_length: int) -> None:
+        self.length = min(self.length, max_length)
+
+    def filled(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+
+    def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Overwrite slots [start, start + T) and set the length to their end."""
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
+        end = start + keys.shape[2]
+        self._reserve(end)
+        self.keys[:, :, start:end] = keys
+        self.values[:, :, start:end] = values
+        self.length = end
+
+
+class KVCache(Cache):
+    """A model's KV cache plus the RoPE position each slot's key was rotated to."""
+
+    def __init__(self, num_layers: int, capacity: int = 0) -> None:
+        super().__init__(layers=[BufferLayer(capacity) for _ in range(num_layers)])
+        self.rope_positions = torch.zeros(0, dtype=torch.long)
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+    def crop(self, max_length: int) -> None:
+        """Drop every slot from `max_length` on."""
+        for layer in self.layers:
+            layer.crop(max_length)
+        self.rope_positions = self.rope_positions[:max_length]
+
+    def note_appended(self, positions: torch.Tensor) -> None:
+        """Record the RoPE positions of the slots a model forward just appended."""
+        self.rope_positions = torch.cat([self.rope_positions, positions.to("cpu", torch.long)])
+
+    def gather(self, slots: torch.Tensor) -> KV:
+        """Copies of the keys and values at `slots` (a 1-D LongTensor), per layer."""
+        out = []
+        for layer in self.layers:
+            keys, values = layer.filled()
+            index = slots.to(keys.device)
+            out.append((keys.index_select(2, index), values.index_select(2, index)))
+        return out
+
+    def keep(self, slots: torch.Tensor) -> None:
+        """Keep only `slots` (ascending), moved to the front in order: (B, H, T, D) -> (B, H, len(slots), D)."""
+        kept = self.gather(slots)
+        for layer, (keys, values) in zip(self.layers, kept):
+            layer.write(0, keys, values)
+        self.rope_positions = self.rope_positions[slots.cpu()]
+
+    def append(self, kv: KV, rope_positions: torch.Tensor) -> None:
+        """Append slots taken from another cache with `gather`, keys rotated as `rope_positions` says."""
+        start = self.length
+        for layer, (keys, values) in zip(self.layers, kv):
+            layer.write(start, keys, values)
+        self.note_appended(rope_positions)
+
+    def replace(self, kv: KV, rope_positions: torch.Tensor) -> None:
+        """Make the cache exactly these slots."""
+        for layer, (keys, values) in zip(self.layers, kv):
+            layer.write(0, keys, values)
+        self.rope_positions = rope_positions.to("cpu", torch.long)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def reposition(kv: KV, old_positions: torch.Tensor, new_positions: torch.Tensor, inv_freq: torch.Tensor) -> KV:
+    """Re-rotate cached keys from RoPE position old to new. Rotations compose: R(new) = R(new - old) R(old).
+
+    Assumes the transformers RoPE layout (rotate_half over two halves) with frequencies `inv_freq` (D/2,).
+    Values are untouched. Works in fp32 and casts back.
+    """
+    delta = (new_positions - old_positions).to(inv_freq.device, torch.float32)
+    if not torch.any(delta):
+        return kv
+    freqs = delta[:, None] * inv_freq.float()[None, :]  # (T, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (T, D)
+    out = []
+    for keys, values in kv:
+        cos, sin = emb.cos().to(keys.device), emb.sin().to(keys.device)
+        k32 = keys.float()
+        out.append(((k32 * cos + rotate_half(k32) * sin).to(keys.dtype), values))
+    return out

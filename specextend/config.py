@@ -1,0 +1,178 @@
+"""Frozen configuration for one generation request.
+
+Knows the knobs of the method (drafting, verification, retrieval, attention kernels) and checks them.
+Knows nothing of models, tokenizers or the UI. Every nonsense setting is a ValueError raised here,
+before any model work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+Method = Literal["autoregressive", "speculative", "streaming", "specextend"]
+METHODS: tuple[str, ...] = ("autoregressive", "speculative", "streaming", "specextend")
+PrefillKernel = Literal["fused", "eager"]
+VerifyKernel = Literal["hybrid", "masked"]
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """How the draft proposes. A chain of k is the tree with branch 1, top_k 1, depth k, budget k."""
+
+    shape: Literal["chain", "tree"] = "chain"
+    k: int = 4  # chain length
+    max_depth: int = 5  # tree: deepest level grown
+    node_budget: int = 12  # tree: most draft nodes sent to the target
+    branch: int = 2  # tree: frontier nodes expanded per level
+    children: int = 3  # tree: children drawn per expanded node
+    stop_threshold: float = 0.02  # tree: stop growing when the best frontier cumulative probability falls below
+
+    def __post_init__(self) -> None:
+        if self.shape not in ("chain", "tree"):
+            raise ValueError(f"draft shape must be 'chain' or 'tree', got {self.shape!r}")
+        if self.k < 1:
+            raise ValueError(f"chain length k must be at least 1, got {self.k}")
+        if self.max_depth < 1:
+            raise ValueError(f"tree max_depth must be at least 1, got {self.max_depth}")
+        if self.node_budget < 1:
+            raise ValueError(f"tree node_budget must be at least 1, got {self.node_budget}")
+        if self.branch < 1 or self.children < 1:
+            raise ValueError(f"tree branch and children must be at least 1, got {self.branch} and {self.children}")
+        if not 0.0 <= self.stop_threshold < 1.0:
+            raise ValueError(f"tree stop_threshold must be in [0, 1), got {self.stop_threshold}")
+
+    @property
+    def depth(self) -> int:
+        return self.k if self.shape == "chain" else self.max_depth
+
+    @property
+    def budget(self) -> int:
+        return self.k if self.shape == "chain" else self.node_budget
+
+    @property
+    def width(self) -> tuple[int, int]:
+        """(frontier nodes expanded per level, children per expanded node)."""
+        return (1, 1) if self.shape == "chain" else (self.branch, self.children)
+
+
+@dataclass(frozen=True)
+class RetrievalConfig:
+    """Cross-model Retrieval and the draft's other cache budgets (paper defaults: 32, 32, every 4, window 512)."""
+
+    chunk_size: int = 32
+    top_k: int = 32  # chunks in the working cache, the sink chunk and the newest chunk included
+    retrieve_every: int = 4  # verification steps between retrievals
+    prefill_window: int = 512  # the draft's sliding attention window during prefill
+    sink_tokens: int = 4  # streaming: attention-sink tokens kept at the start
+
+    def __post_init__(self) -> None:
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be at least 1 token, got {self.chunk_size}")
+        if self.top_k < 1:
+            raise ValueError(f"top_k must be at least 1 chunk, got {self.top_k}")
+        if self.top_k < 2:
+            raise ValueError(
+                f"top_k={self.top_k} leaves no room: the working cache always holds the sink chunk and the newest chunk, "
+                "so top_k must be at least 2"
+            )
+        if self.retrieve_every < 1:
+            raise ValueError(f"retrieve_every must be at least 1 step, got {self.retrieve_every}")
+        if self.prefill_window < 1:
+            raise ValueError(f"prefill_window must be at least 1 token, got {self.prefill_window}")
+        if self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens must not be negative, got {self.sink_tokens}")
+        if self.sink_tokens >= self.working_cache:
+            raise ValueError(
+                f"sink_tokens={self.sink_tokens} must be smaller than the working cache ({self.working_cache} tokens)"
+            )
+
+    @property
+    def working_cache(self) -> int:
+        """Working-cache budget in tokens (top_k chunks of chunk_size)."""
+        return self.chunk_size * self.top_k
+
+    @classmethod
+    def with_working_cache(cls, working_cache: int, chunk_size: int = 32, **kwargs) -> RetrievalConfig:
+        """Size the working cache in tokens instead of chunks."""
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be at least 1 token, got {chunk_size}")
+        if working_cache < chunk_size:
+            raise ValueError(f"a working cache of {working_cache} tokens is smaller than one chunk ({chunk_size})")
+        return cls(chunk_size=chunk_size, top_k=working_cache // chunk_size, **kwargs)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Which kernel each phase uses. The SpecExtend defaults are fused prefill and Hybrid Tree Attention."""
+
+    prefill: PrefillKernel = "fused"  # fused: SDPA / flash-attn causal kernel; eager: matmul + softmax
+    verify: VerifyKernel = "hybrid"  # hybrid: HTA (fused prefix + LSE merge); masked: SDPA with a full mask
+
+    def __post_init__(self) -> None:
+        if self.prefill not in ("fused", "eager"):
+            raise ValueError(f"prefill kernel must be 'fused' or 'eager', got {self.prefill!r}")
+        if self.verify not in ("hybrid", "masked"):
+            raise ValueError(f"verify kernel must be 'hybrid' or 'masked', got {self.verify!r}")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """One request: the method, its knobs, and when to stop."""
+
+    method: Method = "specextend"
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    seed: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    cmr: bool | None = None  # None: on exactly for method specextend; an explicit value ablates it
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if not self.temperature >= 0.0:  # also rejects NaN
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.cmr and self.method in ("autoregressive", "streaming"):
+            raise ValueError(f"cmr cannot be switched on for method {self.method!r}")
+        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_draft(self) -> bool:
+        return self.method != "autoregressive"
+
+    @property
+    def draft_cache(self) -> Literal["full", "streaming", "cmr"]:
+        """Which draft-cache policy the method resolves to."""
+        if self.method == "streaming":
+            return "streaming"
+        cmr = self.cmr if self.cmr is not None else self.method == "specextend"
+        return "cmr" if cmr else "full"
+
+    def replace(self, **changes) -> GenerationConfig:
+        return replace(self, **changes)
+
+
+def preset(method: str, **changes) -> GenerationConfig:
+    """The config a method gets by default.
+
+    Standard speculative decoding and streaming use the kernels transformers gives a user by default
+    (SDPA causal prefill, SDPA with a full boolean mask for verification): the honest baselines.
+    SpecExtend uses fused prefill, Hybrid Tree Attention and CMR. Any field can be overridden.
+    """
+    attention = AttentionConfig(prefill="fused", verify="hybrid" if method == "specextend" else "masked")
+    if method == "autoregressive":
+        attention = AttentionConfig(prefill="fused", verify="hybrid")
+    changes.setdefault("attention", attention)
+    return GenerationConfig(method=method, **changes)

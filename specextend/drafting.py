@@ -1,0 +1,222 @@
+"""Drafting: the draft model proposes a chain or a dynamic tree from its working cache.
+
+`ModelDrafter` owns the draft's two caches: the STORE (every committed token's KV, as the draft first
+computed it) and the WORKING cache it drafts from. A draft-cache policy (retrieval.py) says which store
+positions the working cache holds; `rebuild` gathers them and re-positions them compactly, so the draft
+only ever sees RoPE distances it knows. Under the `full` policy the store is the working cache.
+
+A tree grows level by level: the `branch` frontier nodes with the highest cumulative draft probability
+are fed to the draft together (tree mask) and each gets `children` children, until the node budget, the
+depth limit, or the stop threshold. Children are the top draft tokens (greedy) or drawn without
+replacement from q (sampling), which is what keeps recursive rejection sampling exact. A chain is the
+tree with branch 1 and children 1.
+Knows the draft model and its caches; knows nothing of the target or of verification.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator, Protocol
+
+import torch
+
+from .attention import AttentionPlan
+from .cache import KVCache, reposition
+from .config import DraftConfig, GenerationConfig
+from .models import forward, rope_inv_freq
+from .retrieval import DraftCachePolicy, Selection
+from .verification import sampling_probs
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]  # -1: child of the root
+    depths: tuple[int, ...]  # 1 for children of the root
+    probs: tuple[float, ...]  # q of each node's token
+    q: torch.Tensor | None  # (N+1, V) rows for the root and each node (sampling only; zero rows where unexpanded)
+    forwards: int
+
+    @classmethod
+    def empty(cls) -> DraftTree:
+        return cls((), (), (), (), None, 0)
+
+
+def tree_mask(parents: tuple[int, ...] | list[int]) -> torch.Tensor:
+    """(N+1, N+1) bool over [root] + nodes: row i sees column j iff j is i itself or an ancestor."""
+    n = len(parents) + 1
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    mask[:, 0] = True
+    for i, p in enumerate(parents):
+        row = i + 1
+        if p >= 0:
+            mask[row] = mask[p + 1]
+        mask[row, row] = True
+    return mask
+
+
+def draw_children(logq: torch.Tensor, n: int, generator: torch.Generator | None) -> list[int]:
+    """n distinct tokens: the top-n of log q (greedy), or a draw without replacement from q (Gumbel top-n)."""
+    n = min(n, int(torch.isfinite(logq).sum()))
+    if generator is None:
+        return torch.topk(logq, n).indices.tolist()
+    u = torch.rand(logq.shape, generator=generator).clamp_(min=1e-20)
+    return torch.topk(logq - torch.log(-torch.log(u)), n).indices.tolist()
+
+
+class Drafter(Protocol):
+    """The strategy the engine drafts with (a model drafter, or a scripted one in tests)."""
+
+    policy: DraftCachePolicy
+
+    def prefill(self, prompt: list[int], stop) -> Iterator[int]: ...
+    def propose(self, depth: int, generator: torch.Generator | None) -> DraftTree: ...
+    def commit(self, path: list[int], bonus: int) -> None: ...
+    def pend(self, token: int) -> None: ...
+    def rebuild(self, token_scores: torch.Tensor | None) -> tuple[Selection, int]: ...
+
+
+class ModelDrafter:
+    """Drafts with a causal LM from a policy-managed working cache."""
+
+    def __init__(self, model, config: GenerationConfig, policy: DraftCachePolicy, capacity: int) -> None:
+        self.model = model
+        self.draft = config.draft
+        self.temperature, self.top_p = config.temperature, config.top_p
+        self.kernels = config.attention
+        self.policy = policy
+        layers = model.config.num_hidden_layers
+        self.store = KVCache(layers, capacity)
+        self.working = self.store if policy.name == "full" else KVCache(layers, min(capacity, 4 * config.retrieval.working_cache))
+        self.inv_freq = rope_inv_freq(model)
+        self.pending: list[int] = []  # committed tokens whose KV the draft has not computed yet
+        self._tree: _Growing | None = None
+
+    # -- prefill ---------------------------------------------------------------------------------------
+    def prefill(self, prompt: list[int], stop, block: int = 2048) -> Iterator[int]:
+        """Compute the store's KV for all but the last prompt token (sliding window per the policy).
+        Yields the number of tokens done after each block; returns early when `stop` is set."""
+        window = self.policy.prefill_window
+        block = min(block, window) if window else block
+        body = prompt[:-1]
+        plan = AttentionPlan("prefill", self.kernels.prefill, window=window)
+        for start in range(0, len(body), block):
+            if stop is not None and stop.is_set():
+                return
+            chunk = body[start : start + block]
+            forward(self.model, self.store, chunk, torch.arange(start, start + len(chunk)), plan, logits_to_keep=1)
+            yield start + len(chunk)
+        self.pending = prompt[-1:]
+
+    # -- one step --------------------------------------------------------------------------------------
+    def propose(self, depth: int, generator: torch.Generator | None) -> DraftTree:
+        """Feed the pending tokens, then grow a tree of at most `depth` levels from the last one."""
+        cfg: DraftConfig = self.draft
+        branch, children = cfg.width
+        budget = cfg.budget
+        threshold = math.log(cfg.stop_threshold) if cfg.shape == "tree" and cfg.stop_threshold > 0 else -math.inf
+        base = self.working.length
+        m = len(self.pending)
+        plan = AttentionPlan("tree", self.kernels.verify, tree_mask=torch.ones(m, m, dtype=torch.bool).tril())
+        logits = forward(self.model, self.working, self.pending, torch.arange(base, base + m), plan, logits_to_keep=1)
+        tree = _Growing(root_position=base + m - 1, slot0=base + m)
+        tree.expand(-1, self._logq(logits[-1]), min(children, budget), generator, self.temperature, self.top_p)
+        for level in range(1, depth):
+            room = budget - len(tree.tokens)
+            frontier = sorted((i for i, d in enumerate(tree.depths) if d == level), key=lambda i: -tree.cum[i])[:branch]
+            frontier = [i for i in frontier if tree.cum[i] >= threshold]
+            if room <= 0 or not frontier:
+                break
+            logits = tree.feed(self.model, self.working, frontier, self.kernels.verify)
+            for i, node in enumerate(frontier):
+                room = budget - len(tree.tokens)
+                if room <= 0:
+                    break
+                tree.expand(node, self._logq(logits[i]), min(children, room), generator, self.temperature, self.top_p)
+        self._tree = tree
+        return tree.freeze(sampling=generator is not None, vocab=logits.shape[-1])
+
+    def _logq(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.temperature == 0.0:
+            return torch.log_softmax(logits, dim=-1)
+        return torch.log(sampling_probs(logits, self.temperature, self.top_p))
+
+    def commit(self, path: list[int], bonus: int) -> None:
+        """Keep the KV of the pending tokens and of the fed nodes on the accepted path; the rest becomes pending."""
+        tree = self._tree
+        base = tree.slot0 - len(self.pending)
+        fed = [n for n in path if n in tree.slot]
+        keep = torch.cat([torch.arange(tree.slot0), torch.tensor([tree.slot[n] for n in fed], dtype=torch.long)])
+        self.working.keep(keep)
+        if self.working is not self.store:
+            new = torch.arange(base, self.working.length)
+            self.store.append(self.working.gather(new), self.working.rope_positions[new])
+        self.pending = [tree.tokens[n] for n in path[len(fed):]] + [bonus]
+        self._tree = None
+
+    def pend(self, token: int) -> None:
+        """A committed token the draft has not read (the first token; a step that drafted nothing)."""
+        self.pending.append(token)
+
+    # -- retrieval ---------------------------------------------------------------------------------------
+    def rebuild(self, token_scores: torch.Tensor | None) -> tuple[Selection, int]:
+        """Rebuild the working cache from the store as the policy selects: returns (selection, store length)."""
+        seq_len = self.store.length
+        selection = self.policy.select(seq_len, token_scores)
+        positions = selection.positions
+        kv = self.store.gather(positions)
+        compact = torch.arange(positions.shape[0])
+        self.working.replace(reposition(kv, self.store.rope_positions[positions], compact, self.inv_freq), compact)
+        return selection, seq_len
+
+
+class _Growing:
+    """A tree while it grows: node lists plus the draft-cache slot of every node fed to the draft."""
+
+    def __init__(self, root_position: int, slot0: int) -> None:
+        self.root_position, self.slot0 = root_position, slot0
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.depths: list[int] = []
+        self.cum: list[float] = []  # cumulative log q
+        self.probs: list[float] = []
+        self.q_rows: dict[int, torch.Tensor] = {}  # row (0 root, i+1 node i) -> q the children were drawn from
+        self.slot: dict[int, int] = {}  # node -> draft cache slot
+        self.forwards = 1
+
+    def expand(self, node: int, logq: torch.Tensor, n: int, generator, temperature: float, top_p: float) -> None:
+        parent_cum = 0.0 if node < 0 else self.cum[node]
+        depth = 1 if node < 0 else self.depths[node] + 1
+        if generator is not None:
+            self.q_rows[node + 1] = logq.exp()
+        for token in draw_children(logq, n, generator):
+            self.tokens.append(token)
+            self.parents.append(node)
+            self.depths.append(depth)
+            self.cum.append(parent_cum + float(logq[token]))
+            self.probs.append(math.exp(float(logq[token])))
+
+    def feed(self, model, cache: KVCache, nodes: list[int], kernel: str) -> torch.Tensor:
+        """One draft forward over `nodes` (all at one depth); each sees its fed ancestors and itself."""
+        fed_before = len(self.slot)
+        mask = torch.zeros(len(nodes), fed_before + len(nodes), dtype=torch.bool)
+        for row, node in enumerate(nodes):
+            parent = self.parents[node]
+            while parent >= 0:
+                mask[row, self.slot[parent] - self.slot0] = True
+                parent = self.parents[parent]
+            mask[row, fed_before + row] = True
+            self.slot[node] = self.slot0 + fed_before + row
+        positions = torch.tensor([self.root_position + self.depths[n] for n in nodes])
+        self.forwards += 1
+        plan = AttentionPlan("tree", kernel, tree_mask=mask)
+        return forward(model, cache, [self.tokens[n] for n in nodes], positions, plan, logits_to_keep=len(nodes))
+
+    def freeze(self, sampling: bool, vocab: int) -> DraftTree:
+        q = None
+        if sampling:
+            q = torch.zeros(len(self.tokens) + 1, vocab)
+            for row, probs in self.q_rows.items():
+                q[row] = probs
+        return DraftTree(tuple(self.tokens), tuple(self.parents), tuple(self.depths), tuple(self.probs), q, self.forwards)

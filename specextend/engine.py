@@ -1,0 +1,200 @@
+"""The engine: token ids in, events out.
+
+`generate(pair, prompt_ids, config)` is the whole method on one screen: prefill both models, then
+draft, verify, commit and (on schedule) retrieve, until max_new_tokens or EOS. Every step yields events
+(events.py). The engine imports no UI, no plotting and no tokenizer, and prints nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict
+from typing import Iterator
+
+import torch
+
+from .attention import AttentionPlan, QueryCapture, attention_row_scores
+from .cache import KVCache
+from .config import GenerationConfig
+from .drafting import Drafter, DraftTree, ModelDrafter, tree_mask
+from .events import Drafted, Event, Finished, Prefilled, Prefilling, Retrieved, Started, Verified
+from .models import ModelPair, final_layer, forward
+from .retrieval import make_policy
+from .verification import sampling_probs, verify_greedy, verify_sampling
+
+PREFILL_BLOCK = 2048  # target prefill block: bounds memory and lets Stop act between blocks
+
+
+def check_request(pair: ModelPair, prompt_ids: list[int], config: GenerationConfig) -> list[int]:
+    """Every reason to refuse a request, raised as ValueError before any model work."""
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise ValueError("the prompt is empty: there is nothing to continue")
+    if config.uses_draft and pair.draft is None:
+        raise ValueError(f"method {config.method!r} needs a draft model, and the pair has none")
+    vocab = pair.vocab_size
+    if min(prompt) < 0 or max(prompt) >= vocab:
+        raise ValueError(f"prompt token ids must lie in [0, {vocab}); got {min(prompt)}..{max(prompt)}")
+    limit = pair.max_positions
+    if len(prompt) + config.max_new_tokens > limit:
+        raise ValueError(
+            f"the prompt ({len(prompt)} tokens) plus max_new_tokens ({config.max_new_tokens}) exceeds the "
+            f"target's limit of {limit} positions; shorten the document or ask for fewer tokens"
+        )
+    return prompt
+
+
+class Target:
+    """The target model, its KV cache, and the final-layer queries retrieval scores from."""
+
+    def __init__(self, model, config: GenerationConfig, capacity: int) -> None:
+        self.model = model
+        self.kernels = config.attention
+        self.cache = KVCache(model.config.num_hidden_layers, capacity)
+        layer, self.scale = final_layer(model)
+        self.capture = QueryCapture(layer)
+        self.row = 0  # row of the last accepted token in the latest forward
+        self.base = 0  # cache slots before the latest verified root
+
+    def prefill(self, prompt: list[int], stop) -> Iterator[int]:
+        """Read the prompt in blocks; the last block's logits are kept for the first token."""
+        plan = AttentionPlan("prefill", self.kernels.prefill, capture=self.capture)
+        for start in range(0, len(prompt), PREFILL_BLOCK):
+            if stop is not None and stop.is_set():
+                return
+            block = prompt[start : start + PREFILL_BLOCK]
+            self.logits = forward(self.model, self.cache, block, torch.arange(start, start + len(block)), plan, 1)
+            self.row = len(block) - 1
+            yield start + len(block)
+
+    def verify(self, root: int, tree: DraftTree) -> torch.Tensor:
+        """One forward over [root] + tree nodes: logits (N+1, V)."""
+        base = self.base = self.cache.length
+        positions = base + torch.tensor((0, *tree.depths))
+        plan = AttentionPlan("tree", self.kernels.verify, tree_mask=tree_mask(tree.parents), capture=self.capture)
+        return forward(self.model, self.cache, [root, *tree.tokens], positions, plan, len(tree.tokens) + 1)
+
+    def commit(self, path: list[int]) -> None:
+        """Keep the prefix, the root and the accepted path; drop the rejected nodes' KV."""
+        kept = self.base + 1  # the committed prefix and the root
+        self.cache.keep(torch.cat([torch.arange(kept), kept + torch.tensor(path, dtype=torch.long)]))
+        self.row = path[-1] + 1 if path else 0
+
+    def token_scores(self) -> torch.Tensor:
+        """The final layer's attention row of the last accepted token, averaged over heads: (T,)."""
+        keys = self.cache.layers[self.capture.layer].filled()[0]
+        query = self.capture.query[:, :, self.row : self.row + 1]
+        return attention_row_scores(query, keys, self.scale).cpu()
+
+
+def generate(
+    pair: ModelPair, prompt_ids: list[int], config: GenerationConfig, stop: threading.Event | None = None,
+    drafter: Drafter | None = None,
+) -> Iterator[Event]:
+    """Yield the events of one request. `stop` ends it between steps; `drafter` replaces the model drafter."""
+    prompt = check_request(pair, prompt_ids, config)
+    start = time.perf_counter()
+    clock = lambda: time.perf_counter() - start  # noqa: E731
+    sync = torch.cuda.synchronize if pair.device.type == "cuda" else (lambda: None)
+    generator = None if config.greedy else torch.Generator().manual_seed(config.seed)
+    room = len(prompt) + config.max_new_tokens + config.draft.budget + 2
+    target = Target(pair.target, config, room)
+    if config.uses_draft and drafter is None:
+        drafter = ModelDrafter(pair.draft, config, make_policy(config.draft_cache, config.retrieval), room)
+    yield Started(clock(), 0.0, config.method, tuple(prompt), asdict(config), pair.target.config.num_hidden_layers,
+                  pair.draft.config.num_hidden_layers if drafter is not None and pair.draft is not None else 0,
+                  str(pair.device), str(pair.dtype).replace("torch.", ""))
+
+    # 1) prefill the target (fused kernel) and the draft (sliding window, per its policy)
+    phase = clock()
+    for done in target.prefill(prompt, stop):
+        sync()
+        yield Prefilling(clock(), clock() - phase, "target", done, len(prompt))
+    target_s = clock() - phase
+    phase = clock()
+    for done in drafter.prefill(prompt, stop) if drafter is not None else ():
+        sync()
+        yield Prefilling(clock(), clock() - phase, "draft", done, len(prompt) - 1)
+    draft_s = clock() - phase
+    if stop is not None and stop.is_set():
+        yield Finished(clock(), clock(), (), "stopped", 0, len(prompt), "stopped during prefill")
+        return
+    first = pick(target.logits, config, generator)
+    out = cut([first], 0, config)
+    if drafter is not None:
+        drafter.pend(first)
+    yield Prefilled(clock(), target_s + draft_s, len(prompt), target_s, draft_s, first)
+    if drafter is not None and drafter.policy.name != "full":
+        yield retrieve(drafter, target, 0, config, clock, sync)
+
+    # 2) draft, verify, commit, retrieve: until max_new_tokens, EOS or stop
+    step = 0
+    while (reason := finished_reason(out, config)) is None:
+        if stop is not None and stop.is_set():
+            reason = "stopped"
+            break
+        step += 1
+        position = len(prompt) + len(out) - 1  # the root: the last committed token
+        depth = min(config.draft.depth, config.max_new_tokens - len(out) - 1)
+        tree = DraftTree.empty()
+        if drafter is not None and depth > 0:  # a) the draft proposes from its working cache
+            phase = clock()
+            tree = drafter.propose(depth, generator)
+            sync()
+            yield Drafted(clock(), clock() - phase, step, position, tree.tokens, tree.parents, tree.probs, tree.forwards)
+        phase = clock()  # b) the target verifies the whole tree in one forward
+        logits = target.verify(out[-1], tree)
+        if config.greedy:
+            path, bonus = verify_greedy(tree.parents, tree.tokens, logits.argmax(dim=-1).tolist())
+        else:
+            p = sampling_probs(logits, config.temperature, config.top_p)
+            q = tree.q if tree.q is not None else torch.zeros_like(p)
+            path, bonus = verify_sampling(tree.parents, tree.tokens, p, q, generator)
+        target.commit(path)  # c) keep the accepted path and the bonus token; drop rejected KV
+        if drafter is not None:
+            drafter.commit(path, bonus) if tree.tokens else drafter.pend(bonus)
+        sync()
+        committed = cut([tree.tokens[n] for n in path] + [bonus], len(out), config)
+        out.extend(committed)
+        accepted = tuple(i in path for i in range(len(tree.tokens)))
+        yield Verified(clock(), clock() - phase, step, position + 1, tuple(path), accepted, len(path), bonus,
+                       tuple(committed), len(out))
+        if drafter is not None and drafter.policy.due(step, drafter.working.length):  # d) retrieval
+            yield retrieve(drafter, target, step, config, clock, sync)
+    yield Finished(clock(), clock(), tuple(out), reason, step, len(prompt))
+
+
+def pick(logits: torch.Tensor, config: GenerationConfig, generator: torch.Generator | None) -> int:
+    """The target's own next token from the last row of logits (T, V)."""
+    if config.greedy:
+        return int(logits[-1].argmax())
+    return int(torch.multinomial(sampling_probs(logits[-1], config.temperature, config.top_p), 1, generator=generator))
+
+
+def cut(tokens: list[int], generated: int, config: GenerationConfig) -> list[int]:
+    """The tokens that count: none past max_new_tokens, none after the first EOS."""
+    tokens = tokens[: config.max_new_tokens - generated]
+    for i, token in enumerate(tokens):
+        if token in config.eos_token_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
+def finished_reason(out: list[int], config: GenerationConfig) -> str | None:
+    if out and out[-1] in config.eos_token_ids:
+        return "eos"
+    if len(out) >= config.max_new_tokens:
+        return "max_new_tokens"
+    return None
+
+
+def retrieve(drafter: Drafter, target: Target, step: int, config: GenerationConfig, clock, sync) -> Retrieved:
+    """Rebuild the draft's working cache; CMR scores chunks by the target's final-layer attention row."""
+    phase = clock()
+    scores = target.token_scores() if drafter.policy.needs_scores else None
+    selection, seq_len = drafter.rebuild(scores)
+    sync()
+    return Retrieved(clock(), clock() - phase, step, drafter.policy.name, seq_len, config.retrieval.chunk_size,
+                     selection.chunk_spans, selection.scores, selection.selected, selection.kept_spans,
+                     int(selection.positions.shape[0]))

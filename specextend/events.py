@@ -1,0 +1,151 @@
+"""Events: what the engine tells the world, one small frozen dataclass per happening.
+
+Every event carries `t_s` (seconds since the request started, on the engine's clock) and `elapsed_s`
+(the time its own phase took). A list of events (a trace) is enough to redraw every panel of the app and
+to compute every metric; it serialises to JSON and back with no model loaded. Knows nothing of models,
+tokenizers or figures.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Iterable, Union
+
+
+@dataclass(frozen=True)
+class Started:
+    """The request as the engine understood it."""
+
+    t_s: float
+    elapsed_s: float
+    method: str
+    prompt_ids: tuple[int, ...]
+    config: dict[str, Any]  # GenerationConfig as a plain dict
+    target_layers: int
+    draft_layers: int  # 0 for autoregressive
+    device: str
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Prefilling:
+    """Progress of a long prefill: `done` of `total` prompt tokens read by `model` (target / draft)."""
+
+    t_s: float
+    elapsed_s: float
+    model: str
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """Both models have read the prompt. The first token comes from the target's prefill."""
+
+    t_s: float
+    elapsed_s: float
+    prompt_len: int
+    target_s: float
+    draft_s: float
+    first_token: int
+
+
+@dataclass(frozen=True)
+class Drafted:
+    """The draft proposed a tree (a chain is a tree where each node's parent is the one before)."""
+
+    t_s: float
+    elapsed_s: float
+    step: int
+    position: int  # sequence position of the root (the last committed token)
+    tokens: tuple[int, ...]  # one per draft node
+    parents: tuple[int, ...]  # parent node index per node; -1 is the root
+    draft_probs: tuple[float, ...]  # q of each node's token given its parent
+    draft_forwards: int  # draft model forward passes this step
+
+
+@dataclass(frozen=True)
+class Verified:
+    """The target scored the tree in one forward; the longest agreeing path and a bonus token were committed."""
+
+    t_s: float
+    elapsed_s: float
+    step: int
+    position: int  # sequence position of the first committed token of this step
+    accepted_nodes: tuple[int, ...]  # draft node indices on the accepted path, root to leaf
+    accepted: tuple[bool, ...]  # per draft node: on the accepted path
+    num_accepted: int
+    bonus_token: int
+    committed: tuple[int, ...]  # tokens committed this step (accepted + bonus), cut at the limit or EOS
+    total_new: int  # new tokens after this step
+
+
+@dataclass(frozen=True)
+class Retrieved:
+    """The draft's working cache was rebuilt from the chunks the target's final-layer attention scored highest."""
+
+    t_s: float
+    elapsed_s: float
+    step: int  # retrieval after this many steps (0: right after prefill)
+    policy: str  # cmr / streaming
+    seq_len: int  # committed tokens the chunks cover
+    chunk_size: int
+    chunk_spans: tuple[tuple[int, int], ...]  # [start, end) per chunk
+    scores: tuple[float, ...]  # per chunk; empty for streaming
+    selected: tuple[int, ...]  # chunk ids in the working cache, in document order (streaming: ())
+    kept_spans: tuple[tuple[int, int], ...]  # token spans [start, end) in the working cache
+    working_cache_len: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The request ended: how, and what it produced."""
+
+    t_s: float
+    elapsed_s: float
+    token_ids: tuple[int, ...]
+    stop_reason: str  # max_new_tokens / eos / stopped / error
+    steps: int
+    prompt_len: int
+    message: str = ""
+
+
+Event = Union[Started, Prefilling, Prefilled, Drafted, Verified, Retrieved, Finished]
+EVENT_TYPES: dict[str, type] = {cls.__name__: cls for cls in (Started, Prefilling, Prefilled, Drafted, Verified, Retrieved, Finished)}
+
+
+def to_dict(event: Event) -> dict[str, Any]:
+    return {"type": type(event).__name__, **asdict(event)}
+
+
+def _tuples(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_tuples(v) for v in value)
+    return value
+
+
+def from_dict(data: dict[str, Any]) -> Event:
+    data = dict(data)
+    cls = EVENT_TYPES.get(data.pop("type", None))
+    if cls is None:
+        raise ValueError(f"not a known event type: {data!r:.80}")
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: (v if k == "config" else _tuples(v)) for k, v in data.items() if k in names})
+
+
+def dumps(events: Iterable[Event]) -> str:
+    return json.dumps([to_dict(e) for e in events])
+
+
+def loads(text: str) -> list[Event]:
+    return [from_dict(d) for d in json.loads(text)]
+
+
+def save_trace(events: Iterable[Event], path: str | Path) -> None:
+    Path(path).write_text(dumps(events))
+
+
+def load_trace(path: str | Path) -> list[Event]:
+    return loads(Path(path).read_text())

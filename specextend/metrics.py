@@ -1,0 +1,115 @@
+"""Metrics: pure folds over a trace (a list of events). No clocks, no models; same answer on replay."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from .events import Drafted, Event, Finished, Prefilled, Retrieved, Started, Verified
+
+PHASES = ("target_prefill", "draft_prefill", "drafting", "verification", "retrieval")
+
+
+@dataclass(frozen=True)
+class Summary:
+    method: str
+    prompt_len: int
+    new_tokens: int
+    steps: int
+    decode_s: float  # from the end of prefill to the last committed token
+    total_s: float  # from the start to the last committed token
+    decode_tokens_per_s: float
+    e2e_tokens_per_s: float
+    mean_accepted: float  # mean tokens committed per step (num_accepted + 1)
+    acceptance_by_position: tuple[float, ...]  # P(draft node at depth d accepted | drafted at depth d)
+    phase_seconds: dict[str, float]
+    cmr_overhead_share: float  # retrieval time / decode time
+    stop_reason: str
+
+
+def _of(events: Iterable[Event], cls: type) -> list:
+    return [e for e in events if isinstance(e, cls)]
+
+
+def node_depths(parents: Sequence[int]) -> list[int]:
+    """Depth of each tree node, 1 for children of the root. Parents always precede children."""
+    depths: list[int] = []
+    for p in parents:
+        depths.append(1 if p < 0 else depths[p] + 1)
+    return depths
+
+
+def acceptance_by_position(events: Sequence[Event]) -> tuple[float, ...]:
+    """For each draft depth d: steps whose accepted path reached depth d / steps that drafted depth d."""
+    drafted: dict[int, int] = defaultdict(int)
+    accepted: dict[int, int] = defaultdict(int)
+    trees = {e.step: e for e in _of(events, Drafted)}
+    for v in _of(events, Verified):
+        tree = trees.get(v.step)
+        if tree is None:
+            continue
+        for d in set(node_depths(tree.parents)):
+            drafted[d] += 1
+        for d in range(1, v.num_accepted + 1):
+            accepted[d] += 1
+    return tuple(accepted[d] / drafted[d] for d in range(1, max(drafted, default=0) + 1))
+
+
+def committed_curve(events: Sequence[Event]) -> list[tuple[float, int]]:
+    """(t_s, tokens generated so far) after prefill and after every step: the throughput curve."""
+    points = [(e.t_s, 1) for e in _of(events, Prefilled)]
+    points += [(v.t_s, v.total_new) for v in _of(events, Verified)]
+    return points
+
+
+def phase_seconds(events: Sequence[Event]) -> dict[str, float]:
+    out = dict.fromkeys(PHASES, 0.0)
+    for e in events:
+        if isinstance(e, Prefilled):
+            out["target_prefill"] += e.target_s
+            out["draft_prefill"] += e.draft_s
+        elif isinstance(e, Drafted):
+            out["drafting"] += e.elapsed_s
+        elif isinstance(e, Verified):
+            out["verification"] += e.elapsed_s
+        elif isinstance(e, Retrieved):
+            out["retrieval"] += e.elapsed_s
+    return out
+
+
+def new_tokens(events: Sequence[Event]) -> list[int]:
+    """The generated tokens: the prefill's first token and every step's committed tokens."""
+    out = [e.first_token for e in _of(events, Prefilled)]
+    for v in _of(events, Verified):
+        out.extend(v.committed)
+    return out
+
+
+def summarize(events: Sequence[Event]) -> Summary:
+    started = _of(events, Started)
+    prefilled = _of(events, Prefilled)
+    verified = _of(events, Verified)
+    finished = _of(events, Finished)
+    generated = len(new_tokens(events))
+    last_t = verified[-1].t_s if verified else (prefilled[0].t_s if prefilled else 0.0)
+    prefill_end = prefilled[0].t_s if prefilled else 0.0
+    # Decode rate counts the tokens committed by steps (the first token belongs to the prefill).
+    decode_s = last_t - prefill_end
+    decode_tokens = generated - (1 if prefilled else 0)
+    phases = phase_seconds(events)
+    return Summary(
+        method=started[0].method if started else "",
+        prompt_len=prefilled[0].prompt_len if prefilled else 0,
+        new_tokens=generated,
+        steps=len(verified),
+        decode_s=decode_s,
+        total_s=last_t,
+        decode_tokens_per_s=decode_tokens / decode_s if decode_s > 0 else 0.0,
+        e2e_tokens_per_s=generated / last_t if last_t > 0 else 0.0,
+        mean_accepted=sum(v.num_accepted + 1 for v in verified) / len(verified) if verified else 0.0,
+        acceptance_by_position=acceptance_by_position(events),
+        phase_seconds=phases,
+        cmr_overhead_share=phases["retrieval"] / decode_s if decode_s > 0 else 0.0,
+        stop_reason=finished[-1].stop_reason if finished else "running",
+    )

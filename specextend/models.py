@@ -1,0 +1,159 @@
+"""Models: load a target/draft pair and run one forward under an attention plan.
+
+Loads Hugging Face causal LMs of the Llama / Qwen2 / Mistral family (RoPE) from a local directory, a hub
+id (only when the operator allows the hub), or a directory holding one GGUF file. Chooses device, dtype
+and attention backend; refuses pairs whose vocabularies differ. Never trusts remote code.
+Knows models and devices; knows nothing of drafting, verification or retrieval.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from . import attention
+from .cache import KVCache
+
+SUPPORTED = ("llama", "qwen2", "mistral")
+# On this project's 2-core CPU, bf16 runs the 135M target's forwards about twice as fast as fp32
+# (see README, "Exactness"); fp32 stays available for bit-exact checks.
+CPU_DTYPE = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class ModelPair:
+    target: PreTrainedModel
+    draft: PreTrainedModel | None
+    device: torch.device
+    dtype: torch.dtype
+    backend: str  # "flash-attn" or "sdpa": the fused kernels attention.py dispatches to
+    load_s: float = 0.0
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.target.config, "max_position_embeddings", 2048))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.target.get_output_embeddings().weight.shape[0])
+
+
+def choose_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def choose_dtype(device: torch.device, dtype: str | torch.dtype = "auto") -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                 "float16": torch.float16, "fp16": torch.float16}
+        if dtype not in names:
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16; got {dtype!r}")
+        return names[dtype]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return CPU_DTYPE
+
+
+def _source_kwargs(source: str | Path) -> tuple[str, dict]:
+    """A directory with config.json, a GGUF file (or a directory holding exactly one), or a hub id."""
+    path = Path(source)
+    if path.is_file() and path.suffix == ".gguf":
+        return str(path.parent), {"gguf_file": path.name}
+    if path.is_dir():
+        if (path / "config.json").exists():
+            return str(path), {}
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return str(path), {"gguf_file": ggufs[0].name}
+        raise ValueError(f"{path} holds neither config.json nor exactly one .gguf file")
+    return str(source), {}
+
+
+def load_model(source: str | Path, device: torch.device, dtype: torch.dtype, device_map: str | None = None) -> PreTrainedModel:
+    name, extra = _source_kwargs(source)
+    model = AutoModelForCausalLM.from_pretrained(
+        name, dtype=dtype, attn_implementation=attention.IMPLEMENTATION, trust_remote_code=False,
+        device_map=device_map, **extra,
+    )
+    if model.config.model_type not in SUPPORTED:
+        raise ValueError(f"{source}: model type {model.config.model_type!r} is not one of {', '.join(SUPPORTED)}")
+    if device_map is None:
+        model.to(device)
+    return model.eval()
+
+
+def check_vocab(target: PreTrainedModel, draft: PreTrainedModel) -> None:
+    t, d = target.get_output_embeddings().weight.shape[0], draft.get_output_embeddings().weight.shape[0]
+    if t != d or target.config.vocab_size != draft.config.vocab_size:
+        raise ValueError(
+            f"the target's vocabulary ({t} tokens) and the draft's ({d} tokens) differ: "
+            "speculative decoding needs one shared tokenizer"
+        )
+
+
+def prepare(model: PreTrainedModel) -> PreTrainedModel:
+    """Route an already-built model's attention through this project's kernels."""
+    model.set_attn_implementation(attention.IMPLEMENTATION)
+    return model.eval()
+
+
+def make_pair(target: PreTrainedModel, draft: PreTrainedModel | None, load_s: float = 0.0) -> ModelPair:
+    """A pair from models already in memory (tests build tiny ones from configs)."""
+    prepare(target)
+    if draft is not None:
+        prepare(draft)
+        check_vocab(target, draft)
+    param = next(target.parameters())
+    backend = "flash-attn" if param.is_cuda and attention.FLASH_ATTN else "sdpa"
+    return ModelPair(target, draft, param.device, param.dtype, backend, load_s)
+
+
+def load_pair(
+    target: str | Path, draft: str | Path | None = None, device: str = "auto", dtype: str | torch.dtype = "auto"
+) -> ModelPair:
+    """Load both models. A target too large for one GPU is spread over all GPUs; the draft sits beside its first layers."""
+    start = time.perf_counter()
+    dev = choose_device(device)
+    dt = choose_dtype(dev, dtype)
+    spread = dev.type == "cuda" and torch.cuda.device_count() > 1
+    target_model = load_model(target, dev, dt, device_map="auto" if spread else None)
+    first = next(target_model.parameters()).device
+    draft_model = load_model(draft, first, dt) if draft is not None else None
+    return make_pair(target_model, draft_model, time.perf_counter() - start)
+
+
+def rope_inv_freq(model: PreTrainedModel) -> torch.Tensor:
+    """RoPE frequencies (D/2,) of a model, for re-rotating cached keys."""
+    return model.base_model.rotary_emb.inv_freq
+
+
+def final_layer(model: PreTrainedModel) -> tuple[int, float]:
+    """(index, softmax scale) of the last attention layer."""
+    layers = model.base_model.layers
+    return len(layers) - 1, float(layers[-1].self_attn.scaling)
+
+
+@torch.no_grad()
+def forward(
+    model: PreTrainedModel, cache: KVCache, tokens: list[int], positions: torch.Tensor,
+    plan: attention.AttentionPlan, logits_to_keep: int = 0,
+) -> torch.Tensor:
+    """Run `tokens` at `positions` over `cache` (appending their KV): logits (T_kept, V) fp32 on CPU."""
+    device = model.get_input_embeddings().weight.device
+    if plan.tree_mask is not None and plan.tree_mask.device != device:
+        plan = replace(plan, tree_mask=plan.tree_mask.to(device))
+    ids = torch.tensor([tokens], dtype=torch.long, device=device)
+    out = model(
+        input_ids=ids, position_ids=positions.to(device)[None], cache=cache, use_cache=True,
+        attention_plan=plan, logits_to_keep=logits_to_keep,
+    )
+    cache.note_appended(positions)
+    return out.logits[0].float().cpu()

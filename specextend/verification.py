@@ -1,0 +1,98 @@
+"""Verification: which draft tokens the target keeps, and its bonus token. Pure functions.
+
+A draft is a tree given as `parents` (parent node index per node, -1 for the root's children; parents
+precede children) and `tokens`. Row 0 of the target's outputs belongs to the root (the last committed
+token), row i + 1 to node i. Children of a node are tried in node order.
+
+- Greedy: follow the child whose token is the target's argmax; the first miss gives the bonus token.
+  The output is exactly the target's own greedy output.
+- Sampling: recursive rejection sampling (SpecInfer / multi-draft). At a node whose children were drawn
+  WITHOUT replacement from q, try them in order: accept x with probability min(1, p(x)/q(x)); on a
+  rejection set p <- norm(max(0, p - q)) and remove x from q (renormalised). If all are rejected, the
+  bonus is drawn from the residual p. For a chain (one child per node) this is exactly Leviathan et al.'s
+  rule. Either way each committed token is distributed as the target's p.
+Knows probabilities and trees; knows nothing of models or caches.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def children_of(parents: Sequence[int]) -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        kids.setdefault(p, []).append(i)
+    return kids
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Temperature, then nucleus (top-p) filtering: (..., V) logits -> (..., V) fp32 probabilities."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p >= 1.0:
+        return probs
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass strictly above each token
+    sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+    filtered = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return filtered / filtered.sum(dim=-1, keepdim=True)
+
+
+def verify_greedy(parents: Sequence[int], tokens: Sequence[int], target_argmax: Sequence[int]) -> tuple[list[int], int]:
+    """(accepted node path, bonus token) for greedy decoding. target_argmax has one entry per row."""
+    kids = children_of(parents)
+    path: list[int] = []
+    node, row = -1, 0
+    while True:
+        want = int(target_argmax[row])
+        nxt = next((c for c in kids.get(node, ()) if int(tokens[c]) == want), None)
+        if nxt is None:
+            return path, want
+        path.append(nxt)
+        node, row = nxt, nxt + 1
+
+
+def _normalise(x: torch.Tensor) -> torch.Tensor | None:
+    total = x.sum()
+    return x / total if total > 0 else None
+
+
+def verify_sampling(
+    parents: Sequence[int],
+    tokens: Sequence[int],
+    p: torch.Tensor,
+    q: torch.Tensor,
+    generator: torch.Generator,
+) -> tuple[list[int], int]:
+    """(accepted node path, bonus token) by recursive rejection sampling.
+
+    p: (N+1, V) target probabilities per row. q: (N+1, V) draft probabilities per row, used for rows with
+    children (the distribution their children were drawn from without replacement).
+    """
+    kids = children_of(parents)
+    path: list[int] = []
+    node, row = -1, 0
+    while True:
+        residual = p[row].float().cpu()
+        proposal = q[row].float().cpu() if kids.get(node) else None
+        accepted = None
+        for child in kids.get(node, ()):
+            x = int(tokens[child])
+            ratio = residual[x] / proposal[x]
+            if torch.rand((), generator=generator) < ratio:
+                accepted = child
+                break
+            left = _normalise(torch.clamp(residual - proposal, min=0.0))
+            residual = residual if left is None else left  # None only when p == q, where x is always accepted
+            proposal = proposal.clone()
+            proposal[x] = 0.0
+            proposal = _normalise(proposal)
+            if proposal is None:  # q's whole support was tried: nothing further can be drawn
+                break
+        if accepted is None:
+            bonus = int(torch.multinomial(residual, 1, generator=generator))
+            return path, bonus
+        path.append(accepted)
+        node, row = accepted, accepted + 1

@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny random-init models built from configs (no downloads), fp32 for exactness."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from specextend.models import make_pair
+
+VOCAB = 97
+
+
+def tiny(family: str = "llama", layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, seed: int = 0,
+         max_positions: int = 4096):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
+                  initializer_range=0.3, tie_word_embeddings=False)
+    if family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    return model.float().eval()
+
+
+@pytest.fixture(scope="session")
+def llama_pair():
+    return make_pair(tiny("llama", layers=3, seed=1), tiny("llama", layers=1, hidden=32, heads=2, kv_heads=1, seed=2))
+
+
+@pytest.fixture(scope="session")
+def qwen_pair():
+    return make_pair(tiny("qwen2", layers=2, seed=3), tiny("qwen2", layers=1, hidden=32, heads=2, kv_heads=1, seed=4))
+
+
+def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """The target's own greedy output, by full recomputation with transformers' SDPA (no cache)."""
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt):]
