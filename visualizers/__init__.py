@@ -1,0 +1,17 @@
+"""Visualizers: pure functions from a trace (a list of engine events, plus a token decoder) to a Plotly
+figure dict or an HTML string. Import no gradio and load no models; the same call redraws a live run
+or a replayed trace.
+"""
+
+from .acceptance import acceptance_spec
+from .common import Decode, segments, to_figure
+from .needle import answer_html, held_share, needle_spec
+from .retrieval import kept_chunks, retrieval_spec
+from .text import exactness_html, first_divergence, output_html
+from .throughput import phase_breakdown, throughput_html, throughput_spec
+
+__all__ = [
+    "Decode", "acceptance_spec", "answer_html", "exactness_html", "first_divergence", "held_share",
+    "kept_chunks", "needle_spec", "output_html", "phase_breakdown", "retrieval_spec", "segments",
+    "throughput_html", "throughput_spec", "to_figure",
+]

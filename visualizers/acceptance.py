@@ -1,0 +1,181 @@
+"""Acceptance panel: what the draft proposed each step and how much of it the target kept.
+
+Top: one column per step; from the bottom up, the accepted draft tokens (green), the bonus token the
+target added (gold), and the drafted tokens it did not keep (red). Below: acceptance rate by draft
+position, tokens committed per step, and the latest step's draft tree with its accepted path.
+Knows events; no gradio, no models.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Sequence
+
+from specextend.events import Drafted, Event, Verified
+from specextend.metrics import acceptance_by_position, node_depths
+
+from .common import STATUS_COLORS, Decode, Spec, base_layout, hover_text, message_spec, method_of, of, title
+
+HOVER_STEPS = 300  # hover text is kept for the most recent steps only, so a redraw stays small
+REJECTED, ACCEPTED, BONUS = 1, 2, 3
+CELL_SCALE = [
+    [0.0, STATUS_COLORS["rejected"]], [0.33, STATUS_COLORS["rejected"]],
+    [0.34, STATUS_COLORS["accepted"]], [0.66, STATUS_COLORS["accepted"]],
+    [0.67, STATUS_COLORS["bonus"]], [1.0, STATUS_COLORS["bonus"]],
+]
+
+
+def _token(decode: Decode, token: int) -> str:
+    return repr(decode([token]))[1:-1] or "·"
+
+
+def step_cells(drafted: Drafted | None, verified: Verified) -> list[int]:
+    """Cell codes of one step, bottom up: accepted draft tokens, the bonus token, then the rest drafted."""
+    depth = max(node_depths(drafted.parents), default=0) if drafted else 0
+    a = verified.num_accepted
+    return [ACCEPTED] * a + [BONUS] + [REJECTED] * max(depth - a, 0)
+
+
+def _cell_texts(drafted: Drafted | None, verified: Verified, decode: Decode) -> list[str]:
+    a = verified.num_accepted
+    texts = []
+    for i in range(a):
+        node = verified.accepted_nodes[i]
+        q = drafted.draft_probs[node] if drafted and node < len(drafted.draft_probs) else float("nan")
+        texts.append(f"step {verified.step}, draft token {i + 1}: “{_token(decode, drafted.tokens[node])}” "
+                     f"accepted (q={q:.2f})" if drafted else "")
+    texts.append(f"step {verified.step}: bonus token “{_token(decode, verified.bonus_token)}” from the target")
+    if drafted:
+        depths = node_depths(drafted.parents)
+        by_depth: dict[int, list[str]] = defaultdict(list)
+        for node, d in enumerate(depths):
+            if not verified.accepted[node]:
+                by_depth[d].append(_token(decode, drafted.tokens[node]))
+        for d in range(a + 1, max(depths, default=0) + 1):
+            tokens = ", ".join(f"“{t}”" for t in by_depth[d][:6])
+            texts.append(hover_text(f"step {verified.step}, depth {d}: not kept {tokens}"))
+    return texts
+
+
+def tree_layout(parents: Sequence[int]) -> list[float]:
+    """A y position per node: leaves in depth-first order, each parent centred over its children."""
+    children: dict[int, list[int]] = defaultdict(list)
+    for node, parent in enumerate(parents):
+        children[parent].append(node)
+    y: dict[int, float] = {}
+    next_leaf = 0.0
+
+    def place(node: int) -> float:
+        nonlocal next_leaf
+        kids = children.get(node, [])
+        if not kids:
+            y[node] = next_leaf
+            next_leaf += 1.0
+        else:
+            y[node] = sum(place(k) for k in kids) / len(kids)
+        return y[node]
+
+    place(-1)
+    return [y[i] for i in range(len(parents))]
+
+
+def _tree_traces(drafted: Drafted, verified: Verified, decode: Decode, axes: dict[str, str]) -> list[dict]:
+    depths = node_depths(drafted.parents)
+    ys = tree_layout(drafted.parents)
+    root_y = sum(ys[i] for i, p in enumerate(drafted.parents) if p < 0) / max(1, sum(p < 0 for p in drafted.parents))
+    ex, ey, gx, gy = [], [], [], []
+    for node, parent in enumerate(drafted.parents):
+        px, py = (0, root_y) if parent < 0 else (depths[parent], ys[parent])
+        xs, ys_ = (gx, gy) if verified.accepted[node] else (ex, ey)
+        xs += [px, depths[node], None]
+        ys_ += [py, ys[node], None]
+    last = verified.accepted_nodes[-1] if verified.accepted_nodes else -1
+    bx, by = (depths[last] + 1, ys[last]) if last >= 0 else (1, root_y)
+    gx += [bx - 1 if last >= 0 else 0, bx, None]
+    gy += [by if last >= 0 else root_y, by, None]
+    node_colors = [STATUS_COLORS["accepted"] if ok else STATUS_COLORS["rejected"] for ok in verified.accepted]
+    labels = [_token(decode, t) for t in drafted.tokens]
+    hovers = [f"“{lab}” q={q:.2f} {'accepted' if ok else 'not kept'}"
+              for lab, q, ok in zip(labels, drafted.draft_probs, verified.accepted)]
+    bonus = _token(decode, verified.bonus_token)
+    line = {"type": "scatter", "mode": "lines", "hoverinfo": "skip", **axes}
+    return [
+        {**line, "x": ex, "y": ey, "line": {"color": "#d0d7de", "width": 1}},
+        {**line, "x": gx, "y": gy, "line": {"color": STATUS_COLORS["accepted"], "width": 3}},
+        {"type": "scatter", "mode": "markers+text", "x": [0] + depths + [bx], "y": [root_y] + ys + [by],
+         "marker": {"size": 9, "color": ["#1f2933"] + node_colors + [STATUS_COLORS["bonus"]]},
+         "text": ["root"] + labels + [bonus], "textposition": "middle right", "textfont": {"size": 10},
+         "hovertext": ["last committed token"] + hovers + [f"bonus “{bonus}” from the target"],
+         "hoverinfo": "text", **axes},
+    ]
+
+
+def acceptance_spec(events: Sequence[Event], decode: Decode) -> Spec:
+    """The acceptance panel for one run, as a Plotly figure dict."""
+    verified = of(events, Verified)
+    if method_of(events) == "autoregressive":
+        return message_spec("the target alone drafts nothing: each step commits one token of its own")
+    if not verified:
+        return message_spec("waiting for the first step")
+    trees = {d.step: d for d in of(events, Drafted)}
+    steps = [v.step for v in verified]
+    columns = [step_cells(trees.get(v.step), v) for v in verified]
+    height = max(len(c) for c in columns)
+    z = [[c[row] if row < len(c) else None for c in columns] for row in range(height)]
+    hover_from = len(verified) - HOVER_STEPS
+    texts_by_step = [_cell_texts(trees.get(v.step), v, decode) if i >= hover_from else [] for i, v in enumerate(verified)]
+    text = [[t[row] if row < len(t) else "" for t in texts_by_step] for row in range(height)]
+    cells = {
+        "type": "heatmap", "x": steps, "y": list(range(1, height + 1)), "z": z, "text": text,
+        "hovertemplate": "%{text}<extra></extra>", "colorscale": CELL_SCALE, "zmin": 1, "zmax": 3,
+        "showscale": False, "xgap": 1 if len(steps) <= 150 else 0, "ygap": 1,
+    }
+
+    rates = acceptance_by_position(events)
+    rate_bars = {
+        "type": "bar", "x": list(range(1, len(rates) + 1)), "y": list(rates), "xaxis": "x2", "yaxis": "y2",
+        "marker": {"color": STATUS_COLORS["accepted"]},
+        "hovertemplate": "draft position %{x}: accepted in %{y:.0%} of steps<extra></extra>",
+    }
+    committed = [v.num_accepted + 1 for v in verified]
+    window = 8
+    mean = [sum(committed[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(committed))]
+    length_bars = {
+        "type": "bar", "x": steps, "y": committed, "xaxis": "x3", "yaxis": "y3",
+        "marker": {"color": "#a8dadc"}, "hovertemplate": "step %{x}: %{y} tokens committed<extra></extra>",
+    }
+    length_mean = {
+        "type": "scatter", "mode": "lines", "x": steps, "y": mean, "xaxis": "x3", "yaxis": "y3",
+        "line": {"color": "#1d3557", "width": 2}, "hovertemplate": "mean of last 8 steps: %{y:.2f}<extra></extra>",
+    }
+    data = [cells, rate_bars, length_bars, length_mean]
+    last = verified[-1]
+    if last.step in trees:
+        data += _tree_traces(trees[last.step], last, decode, {"xaxis": "x4", "yaxis": "y4"})
+
+    mean_committed = sum(committed) / len(committed)
+    headline = (f"{len(verified)} steps, one column each · {mean_committed:.2f} tokens committed per step<br>"
+                "<span style='font-size:12px'>green: draft tokens the target accepted · gold: the target's "
+                "bonus token · red: drafted, not kept</span>")
+    sub = {"xref": "paper", "yref": "paper", "y": 0.41, "yanchor": "bottom", "showarrow": False,
+           "xanchor": "left", "font": {"size": 12}}
+    layout = base_layout(
+        480,
+        margin={"l": 56, "r": 16, "t": 56, "b": 40},
+        title=title(headline),
+        xaxis={"domain": [0, 1], "anchor": "y", "showgrid": False, "zeroline": False},
+        yaxis={"domain": [0.56, 1.0], "title": {"text": "token in step"}, "dtick": 1, "showgrid": False},
+        xaxis2={"domain": [0, 0.27], "anchor": "y2", "title": {"text": "draft position"}, "dtick": 1},
+        yaxis2={"domain": [0, 0.38], "anchor": "x2", "range": [0, 1.05], "tickformat": ".0%"},
+        xaxis3={"domain": [0.36, 0.64], "anchor": "y3", "title": {"text": "step"}},
+        yaxis3={"domain": [0, 0.38], "anchor": "x3", "rangemode": "tozero"},
+        xaxis4={"domain": [0.72, 1.0], "anchor": "y4", "visible": False},
+        yaxis4={"domain": [0, 0.38], "anchor": "x4", "visible": False, "autorange": "reversed"},
+        annotations=[
+            {**sub, "x": 0.0, "text": "acceptance rate by draft position"},
+            {**sub, "x": 0.36, "text": "tokens committed per step"},
+            {**sub, "x": 0.72, "text": f"step {last.step}: draft tree and accepted path"},
+        ],
+        bargap=0.15,
+    )
+    return {"data": data, "layout": layout}

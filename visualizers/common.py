@@ -1,0 +1,142 @@
+"""Shared pieces of the visualizers: colours, the `Decode` signature, trace folds and figure plumbing.
+
+A figure here is a plain dict in Plotly's JSON schema (``{"data": [...], "layout": {...}}``): cheap to
+build several times a second and to serialise. ``to_figure`` wraps one as a validated
+``plotly.graph_objects.Figure``. Knows events and Plotly; knows nothing of gradio, models or tokenizers
+(token text comes in through a ``decode`` callable).
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Any, Callable, Iterable, Sequence, TypeVar
+
+import plotly.graph_objects as go
+
+from specextend.events import Event, Finished, Prefilled, Started, Verified
+
+Decode = Callable[[Sequence[int]], str]  # token ids -> text
+Spec = dict[str, Any]
+E = TypeVar("E")
+
+STATUS_COLORS = {
+    "accepted": "#2a9d8f",  # draft token the target agreed with
+    "rejected": "#e76f51",  # draft token the target refused
+    "bonus": "#e9c46a",  # the target's own token ending a step
+    "target": "#8d99ae",  # token from the target alone (prefill, autoregressive)
+}
+METHOD_COLORS = {
+    "specextend": "#2a6fdb",
+    "speculative": "#e76f51",
+    "autoregressive": "#6c757d",
+    "streaming": "#9b5de5",
+}
+METHOD_LABELS = {
+    "specextend": "SpecExtend",
+    "speculative": "speculative (full draft cache)",
+    "autoregressive": "target alone",
+    "streaming": "StreamingLLM draft cache",
+}
+FONT = {"family": "Inter, system-ui, sans-serif", "size": 12, "color": "#1f2933"}
+
+
+def of(events: Iterable[Event], cls: type[E]) -> list[E]:
+    """The events of one type, in order."""
+    return [e for e in events if isinstance(e, cls)]
+
+
+def method_of(events: Sequence[Event]) -> str:
+    started = of(events, Started)
+    return started[0].method if started else ""
+
+
+def prompt_ids(events: Sequence[Event]) -> tuple[int, ...]:
+    started = of(events, Started)
+    return started[0].prompt_ids if started else ()
+
+
+def stop_reason(events: Sequence[Event]) -> str:
+    finished = of(events, Finished)
+    return finished[-1].stop_reason if finished else "running"
+
+
+def segments(events: Sequence[Event]) -> list[tuple[str, tuple[int, ...], int]]:
+    """The generated tokens as runs ``(source, token ids, step)``, source 'target', 'accepted' or 'bonus'.
+
+    The prefill's first token is the target's; each step commits its accepted draft tokens, then the
+    bonus token (either may be cut short at the token limit or EOS). Autoregressive steps commit one
+    target token each, reported as 'target'.
+    """
+    out: list[tuple[str, tuple[int, ...], int]] = []
+    for p in of(events, Prefilled):
+        out.append(("target", (p.first_token,), -1))
+    autoregressive = method_of(events) == "autoregressive"
+    for v in of(events, Verified):
+        drafted, rest = v.committed[: v.num_accepted], v.committed[v.num_accepted :]
+        if drafted:
+            out.append(("accepted", tuple(drafted), v.step))
+        if rest:
+            out.append(("target" if autoregressive else "bonus", tuple(rest), v.step))
+    return out
+
+
+def label(method: str) -> str:
+    return METHOD_LABELS.get(method, method)
+
+
+def color(method: str) -> str:
+    return METHOD_COLORS.get(method, "#444444")
+
+
+def hover_text(text: str, width: int = 64, limit: int = 360) -> str:
+    """Escape text for a Plotly hover label and wrap it into lines of about ``width`` characters."""
+    text = " ".join(text.split())
+    if len(text) > limit:
+        text = text[: limit - 1] + "…"
+    lines, line = [], ""
+    for word in text.split(" "):
+        if line and len(line) + 1 + len(word) > width:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}" if line else word
+    lines.append(line)
+    return "<br>".join(html.escape(x) for x in lines)
+
+
+def base_layout(height: int, **changes: Any) -> dict[str, Any]:
+    """The layout every panel starts from: no template, compact margins, zoom kept across updates."""
+    layout: dict[str, Any] = {
+        "height": height,
+        "margin": {"l": 56, "r": 16, "t": 36, "b": 40},
+        "font": FONT,
+        "paper_bgcolor": "white",
+        "plot_bgcolor": "#f7f9fb",
+        "uirevision": "keep",
+        "showlegend": False,
+        "hoverlabel": {"align": "left"},
+    }
+    layout.update(changes)
+    return layout
+
+
+def title(text: str) -> dict[str, Any]:
+    return {"text": text, "x": 0.0, "xanchor": "left", "font": {"size": 14}}
+
+
+def message_spec(text: str, height: int = 220) -> Spec:
+    """An empty panel carrying a sentence that says why it is empty."""
+    layout = base_layout(
+        height,
+        xaxis={"visible": False},
+        yaxis={"visible": False},
+        annotations=[{"text": html.escape(text), "showarrow": False, "xref": "paper", "yref": "paper",
+                      "x": 0.5, "y": 0.5, "font": {"size": 14, "color": "#52606d"}}],
+    )
+    layout["plot_bgcolor"] = "white"
+    return {"data": [], "layout": layout}
+
+
+def to_figure(spec: Spec) -> go.Figure:
+    """A figure dict as a validated Plotly Figure (raises ValueError on a malformed spec)."""
+    return go.Figure(spec)

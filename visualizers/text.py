@@ -1,0 +1,68 @@
+"""Text panels as HTML: the output with accepted draft tokens coloured apart from the target's own,
+and the exactness check against the target's own greedy output. All text is escaped.
+Knows events; no gradio, no models.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Sequence
+
+from specextend.events import Event
+
+from .common import STATUS_COLORS, Decode, segments, stop_reason
+
+LEGEND = (
+    "<div class='se-legend'>"
+    f"<span style='background:{STATUS_COLORS['accepted']}33;border-bottom:2px solid {STATUS_COLORS['accepted']}'>"
+    "draft token the target accepted</span> "
+    "<span style='border-bottom:2px solid #c9d1d9'>the target's own token</span>"
+    "</div>"
+)
+
+
+def output_html(events: Sequence[Event], decode: Decode) -> str:
+    """The generated text so far; each accepted draft run is highlighted, hover tells its step."""
+    parts = []
+    for source, ids, step in segments(events):
+        text = html.escape(decode(list(ids)))
+        if source == "accepted":
+            parts.append(
+                f"<span class='se-draft' title='step {step}: {len(ids)} draft token(s) accepted' "
+                f"style='background:{STATUS_COLORS['accepted']}33'>{text}</span>"
+            )
+        else:
+            where = "first token, from the prefill" if step < 0 else f"step {step}: the target's token"
+            parts.append(f"<span class='se-target' title='{where}'>{text}</span>")
+    reason = stop_reason(events)
+    note = {"running": "…", "stopped": " ⏹ stopped", "eos": "", "max_new_tokens": " [token limit]"}.get(reason, "")
+    body = "".join(parts) or "<i>no output yet</i>"
+    return f"{LEGEND}<div class='se-output'>{body}<span class='se-note'>{html.escape(note)}</span></div>"
+
+
+def first_divergence(ours: Sequence[int], reference: Sequence[int]) -> int | None:
+    """Index of the first differing token over the common length; None when one is a prefix of the other."""
+    for i, (a, b) in enumerate(zip(ours, reference)):
+        if a != b:
+            return i
+    return None
+
+
+def exactness_html(ours: Sequence[int], reference: Sequence[int], decode: Decode, what: str = "this run") -> str:
+    """Compare a run's tokens with the target's own greedy tokens; show the first divergence if any."""
+    i = first_divergence(ours, reference)
+    n = min(len(ours), len(reference))
+    if i is None:
+        if len(ours) == len(reference):
+            return (f"<div class='se-ok'>✔ Exact: {html.escape(what)} produced the same {n} tokens as the "
+                    "target's own greedy decoding.</div>")
+        return (f"<div class='se-ok'>✔ Exact over the {n} tokens both produced ({len(ours)} vs "
+                f"{len(reference)}: one run ended earlier).</div>")
+    before = html.escape(decode(list(ours[max(0, i - 24) : i])))
+    a = html.escape(decode([ours[i]]))
+    b = html.escape(decode([reference[i]]))
+    return (
+        f"<div class='se-bad'>✘ {html.escape(what)} first differs from the target's greedy output at new token "
+        f"{i}: …{before}<b style='color:{STATUS_COLORS['rejected']}'>[{a}]</b> where the target wrote "
+        f"<b>[{b}]</b>. (Tiny numeric differences between batched and one-token forwards can flip a near-tie.)</div>"
+    )

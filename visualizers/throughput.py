@@ -1,0 +1,103 @@
+"""Throughput panel: tokens generated against time for each run on the same input, and where time went.
+
+Left: one curve per method (flat at first while the prefill runs). Right: per-phase time of each run
+(prefill, drafting, verification, retrieval, the rest). ``throughput_html`` reads out tokens/s and the
+speedup over the target alone (or, failing that,
+standard speculative decoding). Knows events and metrics; no gradio, no models.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Mapping, Sequence
+
+from specextend.events import Event
+from specextend.metrics import committed_curve, summarize
+
+from .common import Spec, base_layout, color, label, message_spec, stop_reason, title
+
+PHASE_COLORS = {
+    "prefill": "#adb5bd",
+    "drafting": "#9b5de5",
+    "verification": "#2a6fdb",
+    "retrieval": "#f4a261",
+    "other": "#e9ecef",
+}
+REFERENCES = ("autoregressive", "speculative")  # speedups are read against the first of these present
+
+
+def phase_breakdown(events: Sequence[Event]) -> dict[str, float]:
+    """Seconds per phase of one run; 'other' is the rest of its wall time (bookkeeping, sampling)."""
+    s = summarize(events)
+    p = s.phase_seconds
+    out = {
+        "prefill": p["target_prefill"] + p["draft_prefill"],
+        "drafting": p["drafting"],
+        "verification": p["verification"],
+        "retrieval": p["retrieval"],
+    }
+    out["other"] = max(0.0, s.total_s - sum(out.values()))
+    return out
+
+
+def throughput_spec(runs: Mapping[str, Sequence[Event]]) -> Spec:
+    """Tokens-vs-time curves and per-phase bars for runs keyed by method, as a Plotly figure dict."""
+    runs = {m: ev for m, ev in runs.items() if ev}
+    if not runs:
+        return message_spec("run a generation to see its speed (tick race mode to compare methods)")
+    data = []
+    for method, events in runs.items():
+        curve = [(0.0, 0)] + committed_curve(events)
+        data.append({
+            "type": "scatter", "mode": "lines", "name": label(method), "x": [t for t, _ in curve],
+            "y": [n for _, n in curve], "line": {"color": color(method), "width": 3, "shape": "hv"},
+            "hovertemplate": f"{html.escape(label(method))}: %{{y}} tokens at %{{x:.2f}} s<extra></extra>",
+            "legend": "legend", "showlegend": True,
+        })
+    names = [label(m) for m in runs]
+    breakdowns = [phase_breakdown(ev) for ev in runs.values()]
+    for phase, shade in PHASE_COLORS.items():
+        data.append({
+            "type": "bar", "orientation": "h", "name": phase, "y": names, "x": [b[phase] for b in breakdowns],
+            "marker": {"color": shade}, "xaxis": "x2", "yaxis": "y2", "legend": "legend2", "showlegend": True,
+            "hovertemplate": f"{phase}: %{{x:.2f}} s<extra>%{{y}}</extra>",
+        })
+    layout = base_layout(
+        340,
+        title=title("Tokens generated over time (same input, same limit) · where each run spent its time"),
+        xaxis={"domain": [0, 0.55], "title": {"text": "seconds since the request started"}, "rangemode": "tozero"},
+        yaxis={"title": {"text": "tokens generated"}, "rangemode": "tozero"},
+        xaxis2={"domain": [0.72, 1.0], "anchor": "y2", "title": {"text": "seconds"}, "rangemode": "tozero"},
+        yaxis2={"anchor": "x2", "automargin": True},
+        barmode="stack",
+        showlegend=True,
+        legend={"x": 0.01, "y": 0.99, "bgcolor": "rgba(255,255,255,0.8)"},
+        legend2={"orientation": "h", "x": 0.62, "y": -0.25, "xanchor": "left"},
+        margin={"l": 56, "r": 16, "t": 36, "b": 80},
+    )
+    return {"data": data, "layout": layout}
+
+
+def throughput_html(runs: Mapping[str, Sequence[Event]]) -> str:
+    """A table of tokens, time, tokens/s and speedup per run, as HTML."""
+    summaries = {m: summarize(ev) for m, ev in runs.items() if ev}
+    if not summaries:
+        return ""
+    reference = next((m for m in REFERENCES if m in summaries and summaries[m].e2e_tokens_per_s > 0), None)
+    rows = []
+    for method, s in summaries.items():
+        speedup = ""
+        if reference and reference != method and s.e2e_tokens_per_s > 0:
+            speedup = f"{s.e2e_tokens_per_s / summaries[reference].e2e_tokens_per_s:.2f}×"
+        rows.append(
+            f"<tr><td><span style='color:{color(method)}'>■</span> {html.escape(label(method))}</td>"
+            f"<td>{html.escape(stop_reason(runs[method]))}</td><td>{s.new_tokens}</td><td>{s.total_s:.2f} s</td>"
+            f"<td><b>{s.e2e_tokens_per_s:.1f}</b></td><td>{s.decode_tokens_per_s:.1f}</td>"
+            f"<td>{s.mean_accepted:.2f}</td><td><b>{speedup}</b></td></tr>"
+        )
+    against = f" vs {html.escape(label(reference))}" if reference else ""
+    return (
+        "<table class='se-table'><thead><tr><th>method</th><th>status</th><th>tokens</th><th>time</th>"
+        "<th>tokens/s (incl. prefill)</th><th>decode tokens/s</th><th>tokens per step</th>"
+        f"<th>speedup{against}</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
+    )
