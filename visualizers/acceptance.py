@@ -9,6 +9,7 @@ Knows events; no gradio, no models.
 from __future__ import annotations
 
 from collections import defaultdict
+from functools import lru_cache
 from typing import Sequence
 
 from specextend.events import Drafted, Event, Verified
@@ -36,25 +37,25 @@ def step_cells(drafted: Drafted | None, verified: Verified) -> list[int]:
     return [ACCEPTED] * a + [BONUS] + [REJECTED] * max(depth - a, 0)
 
 
-def _cell_texts(drafted: Drafted | None, verified: Verified, decode: Decode) -> list[str]:
-    a = verified.num_accepted
+@lru_cache(maxsize=8192)
+def _cell_texts(drafted: Drafted | None, verified: Verified, decode: Decode) -> tuple[str, ...]:
+    """Hover text per cell of one step, in the order of `step_cells` (events are frozen, so this caches)."""
     texts = []
-    for i in range(a):
-        node = verified.accepted_nodes[i]
-        q = drafted.draft_probs[node] if drafted and node < len(drafted.draft_probs) else float("nan")
-        texts.append(f"step {verified.step}, draft token {i + 1}: “{_token(decode, drafted.tokens[node])}” "
-                     f"accepted (q={q:.2f})" if drafted else "")
+    if drafted is not None:
+        for i, node in enumerate(verified.accepted_nodes):
+            texts.append(f"step {verified.step}, draft token {i + 1}: “{_token(decode, drafted.tokens[node])}” "
+                         f"accepted (q={drafted.draft_probs[node]:.2f})")
     texts.append(f"step {verified.step}: bonus token “{_token(decode, verified.bonus_token)}” from the target")
-    if drafted:
+    if drafted is not None:
         depths = node_depths(drafted.parents)
         by_depth: dict[int, list[str]] = defaultdict(list)
         for node, d in enumerate(depths):
             if not verified.accepted[node]:
                 by_depth[d].append(_token(decode, drafted.tokens[node]))
-        for d in range(a + 1, max(depths, default=0) + 1):
+        for d in range(verified.num_accepted + 1, max(depths, default=0) + 1):
             tokens = ", ".join(f"“{t}”" for t in by_depth[d][:6])
             texts.append(hover_text(f"step {verified.step}, depth {d}: not kept {tokens}"))
-    return texts
+    return tuple(texts)
 
 
 def tree_layout(parents: Sequence[int]) -> list[float]:
@@ -123,7 +124,7 @@ def acceptance_spec(events: Sequence[Event], decode: Decode) -> Spec:
     height = max(len(c) for c in columns)
     z = [[c[row] if row < len(c) else None for c in columns] for row in range(height)]
     hover_from = len(verified) - HOVER_STEPS
-    texts_by_step = [_cell_texts(trees.get(v.step), v, decode) if i >= hover_from else [] for i, v in enumerate(verified)]
+    texts_by_step = [_cell_texts(trees.get(v.step), v, decode) if i >= hover_from else () for i, v in enumerate(verified)]
     text = [[t[row] if row < len(t) else "" for t in texts_by_step] for row in range(height)]
     cells = {
         "type": "heatmap", "x": steps, "y": list(range(1, height + 1)), "z": z, "text": text,

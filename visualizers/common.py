@@ -9,6 +9,7 @@ build several times a second and to serialise. ``to_figure`` wraps one as a vali
 from __future__ import annotations
 
 import html
+from functools import lru_cache
 from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import plotly.graph_objects as go
@@ -88,6 +89,7 @@ def color(method: str) -> str:
     return METHOD_COLORS.get(method, "#444444")
 
 
+@lru_cache(maxsize=8192)
 def hover_text(text: str, width: int = 64, limit: int = 360) -> str:
     """Escape text for a Plotly hover label and wrap it into lines of about ``width`` characters."""
     text = " ".join(text.split())

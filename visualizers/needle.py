@@ -11,8 +11,9 @@ import html
 from typing import Mapping, Sequence
 
 from specextend.events import Event, Retrieved
+from specextend.metrics import new_tokens, summarize
 
-from .common import STATUS_COLORS, Spec, base_layout, label, message_spec, of, title
+from .common import STATUS_COLORS, Decode, Spec, base_layout, label, message_spec, of, stop_reason, title
 
 
 def held_share(r: Retrieved, span: tuple[int, int]) -> float:
@@ -56,15 +57,21 @@ def needle_spec(runs: Mapping[str, Sequence[Event]], needle_span: tuple[int, int
     return {"data": [heat], "layout": layout}
 
 
-def answer_html(answers: Mapping[str, str], expected: str) -> str:
-    """Each run's answer and whether it contains the expected fact (case-insensitive)."""
+def answer_html(runs: Mapping[str, Sequence[Event]], decode: Decode, expected: str) -> str:
+    """Each run's answer, whether it contains the expected fact (case-insensitive), and how well its draft kept up."""
     rows = []
-    for method, answer in answers.items():
-        right = expected.lower() in answer.lower()
-        mark = "✔ right" if right else "✘ does not contain the answer"
-        rows.append(f"<tr><td>{html.escape(label(method))}</td><td>{html.escape(answer.strip()) or '…'}</td>"
-                    f"<td class='{'se-ok' if right else 'se-bad'}'>{mark}</td></tr>")
-    return (f"<p>Expected answer: <b>{html.escape(expected)}</b>. Greedy speculative decoding is exact, so both "
-            "runs write the target's answer; what differs is how fast the draft keeps up, which the table "
-            "above explains.</p><table class='se-table'><thead><tr><th>run</th><th>answer</th><th></th></tr>"
-            f"</thead><tbody>{''.join(rows)}</tbody></table>")
+    for method, events in runs.items():
+        if not events:
+            continue
+        answer = decode(new_tokens(events)).strip()
+        s = summarize(events)
+        right = bool(expected) and expected.lower() in answer.lower()
+        mark = "✔ right" if right else ("…" if stop_reason(events) == "running" else "✘ does not contain it")
+        rows.append(f"<tr><td>{html.escape(label(method))}</td><td>{html.escape(answer) or '…'}</td>"
+                    f"<td class='{'se-ok' if right else 'se-bad'}'>{mark}</td><td>{s.mean_accepted:.2f}</td>"
+                    f"<td>{s.decode_tokens_per_s:.1f}</td></tr>")
+    return (f"<p>Expected answer: <b>{html.escape(expected)}</b>. Greedy speculative decoding is exact, so both runs "
+            "write the target's own answer; what the draft's cache changes is how many of its guesses the target "
+            "accepts, and so the speed.</p><table class='se-table'><thead><tr><th>draft cache</th><th>answer</th>"
+            "<th></th><th>tokens per step</th><th>decode tokens/s</th></tr></thead>"
+            f"<tbody>{''.join(rows)}</tbody></table>")

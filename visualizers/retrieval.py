@@ -9,6 +9,7 @@ retrieval, one column per chunk, filled where the chunk was in the working cache
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Sequence
 
 from specextend.events import Event, Retrieved
@@ -49,7 +50,17 @@ def _runs(ids: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
+@lru_cache(maxsize=4096)
+def _held_row(r: Retrieved, n: int, width: int) -> tuple[float | None, ...]:
+    """One heatmap row: 1 for chunks in the working cache, 0 for the others, None past the sequence then."""
+    held = set(kept_chunks(r))
+    size = len(chunk_grid(r))
+    return tuple(_binned([(1.0 if i in held else 0.0) if i < size else None for i in range(n)], width))
+
+
 def _binned(values: Sequence[float | None], width: int) -> list[float | None]:
+    if width == 1:
+        return list(values)
     out: list[float | None] = []
     for i in range(0, len(values), width):
         group = [v for v in values[i : i + width] if v is not None]
@@ -106,11 +117,7 @@ def retrieval_spec(events: Sequence[Event], decode: Decode) -> Spec:
     }
 
     shown = retrievals[-MAX_ROWS:]
-    rows = []
-    for r in shown:
-        held = set(kept_chunks(r))
-        row = [(1.0 if i in held else 0.0) if i < len(chunk_grid(r)) else None for i in range(n)]
-        rows.append(_binned(row, width))
+    rows = [list(_held_row(r, n, width)) for r in shown]
     heat = {
         "type": "heatmap",
         "x": columns,

@@ -1,0 +1,175 @@
+"""Visualizers on synthetic traces (from the fake engine) and on a trace recorded from the real engine:
+every figure validates against Plotly's schema, and each panel shows what the trace says."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from specextend.config import DraftConfig, RetrievalConfig, preset
+from specextend.events import Drafted, Retrieved, Verified
+from specextend.metrics import new_tokens
+from visualizers import (
+    acceptance_spec, answer_html, exactness_html, first_divergence, held_share, kept_chunks, needle_spec,
+    output_html, retrieval_spec, segments, throughput_html, throughput_spec, to_figure,
+)
+from visualizers.acceptance import ACCEPTED, BONUS, REJECTED, step_cells, tree_layout
+
+from fixtures.fake_engine import fake_generate
+
+FIXTURES = Path(__file__).parent / "fixtures"
+PROMPT = list(range(100, 1300))  # 1,200 tokens: not a multiple of the chunk size
+
+
+def decode(ids):
+    return "".join(f" w{i}" for i in ids)
+
+
+def trace(method="specextend", **changes):
+    changes.setdefault("max_new_tokens", 60)
+    changes.setdefault("retrieval", RetrievalConfig(chunk_size=32, top_k=6, retrieve_every=3))
+    return list(fake_generate(PROMPT, preset(method, **changes)))
+
+
+def recorded_traces():
+    from app.trace import loads
+
+    return [loads(p.read_text()) for p in sorted(FIXTURES.glob("*.trace.json"))]
+
+
+def traces_to_check():
+    out = [(m, {m: trace(m)}, decode) for m in ("specextend", "speculative", "streaming", "autoregressive")]
+    out.append(("tree", {"specextend": trace(draft=DraftConfig(shape="tree", max_depth=4, node_budget=8))}, decode))
+    for runs, codec, _ in recorded_traces():
+        out.append(("recorded", runs, codec.decode))
+    return out
+
+
+@pytest.mark.parametrize("name,runs,dec", traces_to_check(), ids=lambda x: x if isinstance(x, str) else "")
+def test_every_panel_is_a_valid_plotly_figure(name, runs, dec):
+    for events in runs.values():
+        for spec in (retrieval_spec(events, dec), acceptance_spec(events, dec)):
+            to_figure(spec)  # raises on anything Plotly does not know
+            json.dumps(spec, allow_nan=False)  # the browser's JSON.parse accepts no NaN
+    to_figure(throughput_spec(runs))
+    json.dumps(throughput_spec(runs), allow_nan=False)
+
+
+def test_retrieval_heatmap_has_a_row_per_retrieval_and_outlines_the_working_cache():
+    events = trace()
+    retrievals = [e for e in events if isinstance(e, Retrieved)]
+    spec = retrieval_spec(events, decode)
+    strip, heat = spec["data"]
+    assert heat["y"] == [r.step for r in retrievals]
+    assert retrievals[0].step == 0 and all(r.step % 3 == 0 for r in retrievals)
+    latest = retrievals[-1]
+    assert len(strip["z"][0]) == len(latest.chunk_spans)
+    for row, r in zip(heat["z"], retrievals):
+        assert [i for i, v in enumerate(row) if v == 1.0] == list(r.selected)
+    outlined = {c for shape in spec["layout"]["shapes"] if shape["type"] == "rect"
+                for c in range(int(shape["x0"] + 0.5), int(shape["x1"] + 0.5))}
+    assert outlined == set(latest.selected)
+    assert "chunk 0" in strip["text"][0][0] and "w100" in strip["text"][0][0]  # hover shows the chunk's text
+
+
+def test_streaming_window_is_drawn_from_kept_spans():
+    events = trace("streaming", max_new_tokens=80)
+    r = [e for e in events if isinstance(e, Retrieved)][-1]
+    assert r.selected == () and r.kept_spans
+    kept = kept_chunks(r)
+    assert kept[0] == 0 and kept[-1] == -(-r.seq_len // r.chunk_size) - 1
+    assert "StreamingLLM" in retrieval_spec(events, decode)["layout"]["title"]["text"]
+
+
+@pytest.mark.parametrize("method", ["speculative", "autoregressive"])
+def test_methods_without_retrieval_say_so(method):
+    spec = retrieval_spec(trace(method), decode)
+    assert spec["data"] == [] and "no retrieval" in spec["layout"]["annotations"][0]["text"]
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_acceptance_has_a_column_per_step_with_accepted_then_bonus_then_rejected(shape):
+    draft = DraftConfig(shape=shape, k=4, max_depth=4, node_budget=8)
+    events = trace(draft=draft)
+    verified = [e for e in events if isinstance(e, Verified)]
+    drafted = {e.step: e for e in events if isinstance(e, Drafted)}
+    spec = acceptance_spec(events, decode)
+    cells = spec["data"][0]
+    assert cells["x"] == [v.step for v in verified]
+    for col, v in enumerate(verified):
+        column = [row[col] for row in cells["z"] if row[col] is not None]
+        assert column == step_cells(drafted[v.step], v)
+        assert column.count(ACCEPTED) == v.num_accepted and column.count(BONUS) == 1
+        assert column.count(REJECTED) == 4 - v.num_accepted
+    if shape == "tree":
+        assert any(d["type"] == "scatter" and "root" in d.get("text", []) for d in spec["data"])
+
+
+def test_tree_layout_centres_parents_over_children():
+    ys = tree_layout([-1, -1, 0, 0, 2])
+    assert ys[0] == (ys[2] + ys[3]) / 2 and ys[2] == ys[4]
+    assert len(set(ys[i] for i in (1, 3, 4))) == 3
+
+
+def test_autoregressive_acceptance_is_a_message():
+    assert acceptance_spec(trace("autoregressive"), decode)["data"] == []
+
+
+def test_throughput_has_one_curve_per_method_ending_at_its_token_count():
+    runs = {m: trace(m) for m in ("specextend", "speculative", "autoregressive")}
+    spec = throughput_spec(runs)
+    curves = [d for d in spec["data"] if d["type"] == "scatter"]
+    assert [c["name"] for c in curves] == ["SpecExtend", "speculative (full draft cache)", "target alone"]
+    assert all(c["y"][0] == 0 and c["y"][-1] == 60 for c in curves)
+    assert {d["name"] for d in spec["data"] if d["type"] == "bar"} == {"prefill", "drafting", "verification", "retrieval", "other"}
+    table = throughput_html(runs)
+    assert table.count("<tr>") == 4 and "speedup vs target alone" in table and "×" in table
+
+
+def test_output_html_colours_accepted_draft_tokens_and_escapes_text():
+    events = trace()
+    html = output_html(events, lambda ids: "<script>x</script>")
+    assert "<script>" not in html and "&lt;script&gt;" in html
+    accepted_runs = [s for s in segments(events) if s[0] == "accepted"]
+    assert html.count("class='se-draft'") == len(accepted_runs) > 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), k=st.integers(1, 6), new=st.integers(1, 40), shape=st.sampled_from(["chain", "tree"]),
+       method=st.sampled_from(["specextend", "speculative", "streaming", "autoregressive"]))
+def test_segments_rebuild_exactly_the_generated_tokens(seed, k, new, shape, method):
+    draft = DraftConfig(shape=shape, k=k, max_depth=k, node_budget=2 * k)
+    events = list(fake_generate(PROMPT[:300], preset(method, max_new_tokens=new, seed=seed, draft=draft)))
+    rebuilt = [t for _, ids, _ in segments(events) for t in ids]
+    assert rebuilt == new_tokens(events) and len(rebuilt) == new
+
+
+def test_exactness_reports_the_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3, 4]) is None
+    assert first_divergence([1, 2, 9], [1, 2, 3]) == 2
+    assert "✔ Exact" in exactness_html([1, 2, 3], [1, 2, 3], decode)
+    bad = exactness_html([1, 2, 9], [1, 2, 3], decode)
+    assert "new token 2" in bad and "w9" in bad and "w3" in bad
+
+
+def test_needle_grid_shows_which_cache_held_the_needle():
+    runs = {"specextend": trace(), "streaming": trace("streaming")}
+    cmr = [e for e in runs["specextend"] if isinstance(e, Retrieved)][-1]
+    span = cmr.chunk_spans[cmr.selected[1]]  # a retrieved chunk away from the sink
+    assert held_share(cmr, span) == 1.0 and held_share(cmr, (span[0], span[0])) == 0.0
+    spec = needle_spec(runs, span, len(PROMPT))
+    heat = spec["data"][0]
+    assert heat["y"] == ["SpecExtend", "StreamingLLM draft cache"]
+    to_figure(spec)
+    answers = answer_html(runs, decode, "w500")
+    assert answers.count("<tr>") == 3
+
+
+def test_visualizers_import_no_gradio():
+    code = "import sys, visualizers; assert 'gradio' not in sys.modules and 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
