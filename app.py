@@ -1,0 +1,24 @@
+"""Entry point: `python app.py` serves SpecExtend Studio (Hugging Face Spaces runs the same file).
+
+On the default path the app works offline and sends no analytics: HF_HUB_OFFLINE=1 unless the operator
+sets SPECEXTEND_HUB=1, and GRADIO_ANALYTICS_ENABLED=False. Both are set before gradio or transformers
+are imported. It binds 127.0.0.1 unless GRADIO_SERVER_NAME says otherwise. See app/settings.py for
+every variable.
+"""
+
+import os
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+if os.environ.get("SPECEXTEND_HUB", "0").strip() != "1":
+    os.environ["HF_HUB_OFFLINE"] = "1"
+
+from app import Settings, build_app, launch, real_factory  # noqa: E402  (after the environment is set)
+
+
+def main() -> None:
+    settings = Settings.from_env()
+    launch(build_app(real_factory, settings), settings)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""What the app runs on: a tokenizer wrapper (the app owns tokenization), a loaded model pair, and the
+engine factory the app is built from. The real factory loads models only when a run asks for them,
+never at import. Tests inject a fake factory with the same shape.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from functools import lru_cache, partial
+from typing import Any, Callable, Iterator, Protocol, Sequence
+
+from specextend.config import GenerationConfig
+from specextend.events import Event
+
+from .settings import PairChoice
+
+Progress = Callable[[str], None]
+Generate = Callable[[list[int], GenerationConfig, "threading.Event | None"], Iterator[Event]]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A tokenized request: the ids, where the document sits in them, and where each marked passage sits."""
+
+    ids: list[int]
+    document_span: tuple[int, int]
+    marks: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+class Codec:
+    """The target's tokenizer as the app uses it: chat prompt in, text out."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        eos = tokenizer.eos_token_id
+        self.eos_ids: tuple[int, ...] = () if eos is None else (int(eos),)
+        self._decode = lru_cache(maxsize=65536)(self._decode_ids)
+
+    def _decode_ids(self, ids: tuple[int, ...]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of token ids (cached: panels decode the same chunks and tokens at every redraw)."""
+        return self._decode(tuple(ids))
+
+    def count(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def render(self, document: str, task: str) -> str:
+        """The request as the target's chat template writes it (plain text when it has none)."""
+        content = f"{document.strip()}\n\n{task.strip()}"
+        if getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+            )
+        return content + "\n"
+
+    def prompt(self, document: str, task: str, marks: dict[str, str] | None = None) -> Prompt:
+        """Tokenize the request; token spans of the document and of each marked passage inside it."""
+        text = self.render(document, task)
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
+        doc_start = text.find(document.strip())
+
+        def span(start: int, end: int) -> tuple[int, int]:
+            inside = [i for i, (a, b) in enumerate(offsets) if a < end and start < b]
+            return (inside[0], inside[-1] + 1) if inside else (0, 0)
+
+        doc = span(doc_start, doc_start + len(document.strip())) if doc_start >= 0 else (0, len(ids))
+        found = {}
+        for name, passage in (marks or {}).items():
+            at = text.find(passage, max(doc_start, 0))
+            if at >= 0:
+                found[name] = span(at, at + len(passage))
+        return Prompt(ids, doc, found)
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A model pair ready to generate, with its tokenizer."""
+
+    choice: PairChoice
+    codec: Codec
+    generate: Generate
+    max_positions: int
+    device: str
+    dtype: str
+
+
+class EngineFactory(Protocol):
+    """Loads a pair on request; reports what it is doing through `progress` (it can take minutes)."""
+
+    def __call__(self, choice: PairChoice, progress: Progress) -> Loaded: ...
+
+
+def real_factory(choice: PairChoice, progress: Progress) -> Loaded:
+    """The bundled pair (prepared on first use) or an allow-listed pair, on the GPU when there is one."""
+    from transformers import AutoTokenizer
+
+    from specextend.engine import generate
+    from specextend.models import load_pair
+
+    if choice.bundled:
+        from specextend.bundled import draft_dir, target_dir
+
+        progress("Preparing the bundled target (the first time only: download and convert, about a minute)")
+        target, draft = str(target_dir(progress=progress)), str(draft_dir())
+    else:
+        target, draft = choice.target, choice.draft
+    progress(f"Loading the tokenizer of {choice.label}")
+    tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=False)
+    progress("Loading the target and draft models")
+    pair = load_pair(target, draft)
+    return Loaded(choice, Codec(tokenizer), partial(generate, pair), pair.max_positions, str(pair.device),
+                  str(pair.dtype).replace("torch.", ""))
+
+
+class PairCache:
+    """The loaded pair (one at a time: a new choice unloads the old one), loaded under a lock."""
+
+    def __init__(self, factory: EngineFactory) -> None:
+        self.factory = factory
+        self._lock = threading.Lock()
+        self._loaded: Loaded | None = None
+
+    def get(self, choice: PairChoice, progress: Progress) -> Loaded:
+        with self._lock:
+            if self._loaded is None or self._loaded.choice != choice:
+                self._loaded = None
+                self._loaded = self.factory(choice, progress)
+            return self._loaded
+
+    def peek(self, choice: PairChoice) -> Loaded | None:
+        """The pair if it is already loaded; never loads."""
+        loaded = self._loaded
+        return loaded if loaded is not None and loaded.choice == choice else None

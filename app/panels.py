@@ -1,0 +1,76 @@
+"""From a click's runs to what each panel shows. Pure: runs + decoder in, figure dicts and HTML out.
+Knows the visualizers and the metrics; knows nothing of gradio or threads.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from specextend.events import Event, Started
+from specextend.metrics import new_tokens
+from visualizers import (
+    Decode, acceptance_spec, answer_html, exactness_html, needle_spec, output_html, retrieval_spec,
+    throughput_html, throughput_spec,
+)
+from visualizers.common import label, of, stop_reason
+
+
+@dataclass(frozen=True)
+class View:
+    """Everything the main tab draws for one moment of a click."""
+
+    output: str
+    exactness: str
+    retrieval: dict[str, Any]
+    acceptance: dict[str, Any]
+    throughput: dict[str, Any]
+    readout: str
+
+
+def _temperature(events: Sequence[Event]) -> float:
+    started = of(events, Started)
+    return float(started[0].config.get("temperature", 0.0)) if started else 0.0
+
+
+def exactness(runs: Mapping[str, Sequence[Event]], primary: str, decode: Decode) -> str:
+    """The exactness check's line: compare the primary run with the target alone, when both are there."""
+    ours = runs.get(primary, [])
+    if primary == "autoregressive":
+        return "<div class='se-muted'>This run is the target alone: it is the reference the others are checked against.</div>"
+    if _temperature(ours) > 0:
+        return ("<div class='se-muted'>Sampling (temperature &gt; 0): the output follows the target's distribution "
+                "exactly, but not token for token; set temperature 0 to check exactness.</div>")
+    reference = runs.get("autoregressive")
+    if reference is None:
+        return ("<div class='se-muted'>Exactness: tick “the target alone” in the race to compare this output with "
+                "the target's own greedy output.</div>")
+    if stop_reason(ours) == "running" or stop_reason(reference) == "running":
+        return "<div class='se-muted'>Exactness: waiting for the target-alone run to finish…</div>"
+    return exactness_html(new_tokens(ours), new_tokens(reference), decode, label(primary))
+
+
+def main_view(runs: Mapping[str, Sequence[Event]], primary: str, decode: Decode) -> View:
+    events = runs.get(primary, [])
+    return View(
+        output=output_html(events, decode),
+        exactness=exactness(runs, primary, decode),
+        retrieval=retrieval_spec(events, decode),
+        acceptance=acceptance_spec(events, decode),
+        throughput=throughput_spec(runs),
+        readout=throughput_html(runs),
+    )
+
+
+def needle_view(runs: Mapping[str, Sequence[Event]], span: tuple[int, int], prompt_len: int, expected: str,
+                decode: Decode) -> tuple[dict[str, Any], str]:
+    """The teaching tab: the needle-held grid and each run's answer."""
+    return needle_spec(runs, span, prompt_len), answer_html(runs, decode, expected)
+
+
+def status_html(lines: Sequence[str], error: str = "") -> str:
+    body = "<br>".join(html.escape(x) for x in lines if x)
+    if error:
+        body = f"<div class='se-bad'>{html.escape(error)}</div>{body}"
+    return f"<div class='se-status'>{body}</div>"

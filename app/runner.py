@@ -1,0 +1,147 @@
+"""Runs behind one click: load the pair, tokenize, then run each method in turn on the same prompt, in a
+background thread, collecting events. The UI thread only reads snapshots, so drawing never blocks
+generation. Also builds a GenerationConfig from the UI's knobs, and replays a recorded trace.
+Knows the engine's contract and events; knows nothing of gradio or figures.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+from specextend.config import DraftConfig, GenerationConfig, RetrievalConfig, preset
+from specextend.events import Event, Finished, Prefilled, Prefilling, Started, Verified
+
+from .backend import Codec, Prompt
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The method's settings as the UI collects them."""
+
+    max_new_tokens: int = 96
+    chunk_size: int = 32
+    top_k: int = 16
+    retrieve_every: int = 4
+    shape: str = "chain"
+    k: int = 4
+    max_depth: int = 5
+    node_budget: int = 12
+    temperature: float = 0.0
+    seed: int = 0
+
+
+def _whole(name: str, value: float | int | None) -> int:
+    if value is None or value != value or int(value) != value:
+        raise ValueError(f"{name} must be a whole number, got {value!r}")
+    return int(value)
+
+
+def build_config(method: str, knobs: Knobs, eos_ids: Sequence[int] = (), max_new_tokens_cap: int = 1024) -> GenerationConfig:
+    """The method's preset with the user's knobs; every nonsense setting is a ValueError with a readable message."""
+    new = _whole("max new tokens", knobs.max_new_tokens)
+    if new > max_new_tokens_cap:
+        raise ValueError(f"max new tokens is capped at {max_new_tokens_cap} on this server, got {new}")
+    if knobs.temperature is None or knobs.temperature != knobs.temperature:
+        raise ValueError("temperature must be a number (0 is greedy)")
+    draft = DraftConfig(shape=knobs.shape, k=_whole("chain length k", knobs.k),
+                        max_depth=_whole("tree depth", knobs.max_depth), node_budget=_whole("tree node budget", knobs.node_budget))
+    retrieval = RetrievalConfig(chunk_size=_whole("chunk size", knobs.chunk_size), top_k=_whole("top-k chunks", knobs.top_k),
+                                retrieve_every=_whole("retrieve every", knobs.retrieve_every))
+    return preset(method, max_new_tokens=new, temperature=float(knobs.temperature), seed=_whole("seed", knobs.seed),
+                  eos_token_ids=tuple(eos_ids), draft=draft, retrieval=retrieval)
+
+
+@dataclass
+class Job:
+    """One click's runs, keyed by method, filled by a background thread.
+
+    `prepare` loads what is needed (reporting through `say`) and returns the codec, the prompt, the
+    model's position limit and a `generate` callable; then each planned method runs in turn.
+    """
+
+    methods: Sequence[str]
+    configs: Callable[[str, Codec], GenerationConfig]
+    prepare: Callable[[Callable[[str], None]], tuple]
+    runs: dict[str, list[Event]] = field(default_factory=dict)
+    status: str = "Starting"
+    error: str = ""
+    codec: Codec | None = None
+    prompt: Prompt | None = None
+    stop_event: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    started_at: float = field(default_factory=time.perf_counter)
+
+    def say(self, message: str) -> None:
+        self.status = message
+
+    def start(self) -> Job:
+        threading.Thread(target=self._work, name="specextend-job", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def _work(self) -> None:
+        try:
+            self.codec, self.prompt, limit, generate = self.prepare(self.say)
+            for method in self.methods:
+                if self.stop_event.is_set():
+                    break
+                config = self.configs(method, self.codec)
+                if len(self.prompt.ids) + config.max_new_tokens > limit:
+                    raise ValueError(
+                        f"The prompt is {len(self.prompt.ids):,} tokens; with {config.max_new_tokens} new tokens that "
+                        f"exceeds the model's limit of {limit:,} positions. Shorten the document or ask for fewer tokens."
+                    )
+                self.runs[method] = events = []
+                for event in generate(self.prompt.ids, config, self.stop_event):
+                    events.append(event)
+                    self.status = describe(method, event)
+        except ValueError as exc:  # the engine's and our own refusals carry a message for the user
+            self.error = str(exc)
+        except Exception as exc:  # a thread boundary: report it in the UI rather than lose it
+            log.exception("run failed")
+            self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.done.set()
+
+    def snapshot(self) -> dict[str, list[Event]]:
+        """A copy of the runs so far, safe to read while the thread appends."""
+        return {m: list(ev) for m, ev in list(self.runs.items())}
+
+
+def describe(method: str, event: Event) -> str:
+    """One line on what a run is doing, from its latest event."""
+    if isinstance(event, Started):
+        return f"{method}: started on {event.device} ({event.dtype}), reading {len(event.prompt_ids):,} prompt tokens"
+    if isinstance(event, Prefilling):
+        return f"{method}: prefill of the {event.model}, {event.done:,} of {event.total:,} tokens read"
+    if isinstance(event, Prefilled):
+        return f"{method}: prefill done in {event.elapsed_s:.2f} s; generating"
+    if isinstance(event, Verified):
+        return f"{method}: step {event.step}, {event.total_new} tokens generated"
+    if isinstance(event, Finished):
+        return f"{method}: finished ({event.stop_reason}) after {event.steps} steps"
+    return f"{method}: {type(event).__name__.lower()} at step {getattr(event, 'step', 0)}"
+
+
+def replay(runs: dict[str, list[Event]], speed: float) -> Callable:
+    """A `generate` that plays recorded runs back (at `speed` x their recorded pace; 0 is instant)."""
+
+    def generate(prompt_ids: list[int], config: GenerationConfig, stop: threading.Event | None) -> Iterable[Event]:
+        began = time.perf_counter()
+        for event in runs[config.method]:
+            if stop is not None and stop.is_set():
+                yield Finished(event.t_s, 0.0, (), "stopped", 0, len(prompt_ids), "replay stopped")
+                return
+            if speed > 0:
+                time.sleep(max(0.0, event.t_s / speed - (time.perf_counter() - began)))
+            yield event
+
+    return generate

@@ -1,0 +1,353 @@
+"""The Gradio app: layout and wiring. Built from an injected engine factory, so importing it loads no
+model; each browser tab gets its own session state; generation runs in a background thread per click
+and the panels are redrawn from snapshots, throttled so drawing costs generation at most a few percent.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import gradio as gr
+import orjson
+from gradio.components.plot import PlotData
+
+from specextend.config import GenerationConfig, preset
+
+from . import documents
+from .backend import EngineFactory, PairCache, Prompt, real_factory
+from .documents import DocumentError
+from .panels import main_view, status_html
+from .runner import Job, Knobs, build_config, replay
+from .settings import Settings
+from .trace import TraceError, dumps, loads
+
+CSS = """
+.se-output { white-space: pre-wrap; line-height: 1.55; font-size: 15px; padding: 10px 12px; border: 1px solid #e4e7eb;
+  border-radius: 8px; background: #fff; max-height: 320px; overflow-y: auto; }
+.se-draft { border-bottom: 2px solid #2a9d8f; }
+.se-target { border-bottom: 2px solid #c9d1d9; }
+.se-legend { font-size: 13px; color: #52606d; margin-bottom: 6px; }
+.se-legend span { margin-right: 14px; padding: 1px 4px; }
+.se-note { color: #7b8794; }
+.se-table { border-collapse: collapse; font-size: 13px; width: 100%; }
+.se-table th, .se-table td { border-bottom: 1px solid #e4e7eb; padding: 4px 8px; text-align: left; }
+.se-ok { color: #1b7a5a; font-weight: 600; }
+.se-bad { color: #c0392b; font-weight: 600; }
+.se-muted { color: #52606d; font-size: 13px; }
+.se-status { font-size: 13px; color: #323f4b; min-height: 1.4em; }
+.se-help { font-size: 13px; color: #52606d; margin: -4px 0 4px 0; }
+"""
+
+INTRO = """
+# SpecExtend Studio
+**Speculative decoding on long documents, drawn live.** A small *draft* model guesses the next few tokens; the
+larger *target* model checks all the guesses in one pass, keeps the ones it agrees with and adds one token of its
+own (the *bonus* token). The output is exactly what the target alone would write, only faster. On a long document
+the draft gets slow and guesses worse; **SpecExtend** lets it read only the *chunks* of the document that the
+target is paying attention to right now (Cross-model Retrieval, CMR), and uses faster attention kernels.
+
+Pick a sample document (or paste or upload one), press **Run**, and watch: **①** the text as it is written,
+**②** which chunks the draft reads, **③** which of its guesses the target keeps, **④** the speed against
+standard speculative decoding and the target alone.
+"""
+
+METHOD_CHOICES = [
+    ("SpecExtend (CMR + fast attention)", "specextend"),
+    ("standard speculative decoding", "speculative"),
+    ("speculative, StreamingLLM draft cache", "streaming"),
+    ("the target alone", "autoregressive"),
+]
+RACE_CHOICES = [("standard speculative decoding", "speculative"), ("the target alone (also checks exactness)", "autoregressive")]
+DEFAULT_TASK = "Summarize the document in a few sentences."
+
+
+class SessionState:
+    """One browser tab's state: its current job (so Stop and a new Run can reach it)."""
+
+    def __init__(self) -> None:
+        self.job: Job | None = None
+
+    def stop(self) -> None:
+        if self.job is not None:
+            self.job.stop()
+
+    @staticmethod
+    def close(state: SessionState) -> None:
+        if state is not None:
+            state.stop()
+
+
+@dataclass
+class RedrawMeter:
+    """Paces redraws: at most every `redraw_s`, and rarer when a redraw costs more than `share` of the time."""
+
+    redraw_s: float
+    share: float
+    began: float = field(default_factory=time.perf_counter)
+    draws: int = 0
+    draw_s: float = 0.0  # building figures and HTML
+    send_s: float = 0.0  # gradio's processing between our yield and the next resume
+    last_cost: float = 0.0
+    yielded_at: float = 0.0
+    last_send: float = 0.0
+
+    def wait(self) -> float:
+        return max(0.05, max(self.redraw_s, self.last_cost / self.share) - self.last_send)
+
+    def drew(self, seconds: float) -> None:
+        self.draws += 1
+        self.draw_s += seconds
+        self.last_cost = seconds + self.last_send
+        self.yielded_at = time.perf_counter()
+
+    def resumed(self) -> None:
+        self.last_send = time.perf_counter() - self.yielded_at
+        self.send_s += self.last_send
+
+    def line(self) -> str:
+        wall = max(time.perf_counter() - self.began, 1e-9)
+        cost = self.draw_s + self.send_s
+        return (f"panels redrawn {self.draws} times ({self.draws / wall:.1f}/s); drawing took "
+                f"{cost * 1000 / max(self.draws, 1):.0f} ms each, {cost / wall:.1%} of the wall time")
+
+
+class Studio:
+    """The app's handlers, closed over the settings, the pair cache and a folder for exported traces."""
+
+    def __init__(self, factory: EngineFactory, settings: Settings) -> None:
+        self.settings = settings
+        self.pairs = PairCache(factory)
+        self.trace_dir = Path(tempfile.mkdtemp(prefix="specextend-traces-"))
+
+    # --- documents -------------------------------------------------------------------------------
+    def pick_sample(self, name: str | None):
+        if not name:
+            return gr.skip(), gr.skip()
+        return documents.sample_text(name), None
+
+    def upload(self, path: str | None):
+        if not path:
+            return gr.skip(), gr.skip()
+        try:
+            text = documents.read_upload(path, self.settings.max_upload_bytes)
+        except DocumentError as exc:
+            return gr.skip(), f"<div class='se-bad'>{exc}</div>"
+        return text, gr.skip()
+
+    def document_info(self, text: str, pair_key: str) -> str:
+        if not text or not text.strip():
+            return "<div class='se-muted'>No document yet: pick a sample, paste text, or upload a .txt/.md file.</div>"
+        try:
+            loaded = self.pairs.peek(self.settings.pair(pair_key))
+        except ValueError as exc:
+            return f"<div class='se-bad'>{exc}</div>"
+        if loaded is None:
+            return (f"<div class='se-muted'>{len(text):,} characters, about {len(text) // 4:,} tokens (estimated; the "
+                    "exact count and the model's limit show once the model is loaded).</div>")
+        n = loaded.codec.count(text)
+        over = n >= loaded.max_positions
+        style = "se-bad" if over else "se-muted"
+        note = " — too long for this model; shorten it." if over else ""
+        return (f"<div class='{style}'>{len(text):,} characters, {n:,} tokens · the model's limit is "
+                f"{loaded.max_positions:,} positions (prompt + new tokens){note}</div>")
+
+    # --- runs ------------------------------------------------------------------------------------
+    def run(self, state: SessionState, document: str, task: str, pair_key: str, method: str, race: list[str],
+            *knob_values: Any) -> Iterator[tuple]:
+        state.stop()
+        try:
+            text = documents.check_text(document)
+            if not task or not task.strip():
+                raise ValueError("The task is empty: say what to do with the document (for example, summarize it).")
+            choice = self.settings.pair(pair_key)
+            knobs = Knobs(*knob_values)
+            build_config(method, knobs, (), self.settings.max_new_tokens)  # refuse nonsense before loading anything
+        except ValueError as exc:
+            yield self._idle(str(exc))
+            return
+        methods = [method] + [m for m in race or [] if m != method]
+
+        def prepare(say):
+            loaded = self.pairs.get(choice, say)
+            say(f"Tokenizing the document with the target's chat template ({loaded.device}, {loaded.dtype})")
+            prompt = loaded.codec.prompt(text, task)
+            return loaded.codec, prompt, loaded.max_positions, loaded.generate
+
+        def configs(m: str, codec) -> GenerationConfig:
+            return build_config(m, knobs, codec.eos_ids, self.settings.max_new_tokens)
+
+        state.job = Job(methods, configs, prepare).start()
+        yield from self._stream(state.job, method, {"pair": choice.label, "task": task, "primary": method})
+
+    def replay(self, state: SessionState, path: str | None, pace: str) -> Iterator[tuple]:
+        state.stop()
+        try:
+            if not path:
+                raise TraceError("Choose a trace file (.json) to replay.")
+            size = Path(path).stat().st_size
+            if size > self.settings.max_trace_bytes:
+                raise TraceError(f"it is {size / 1024:,.0f} KB; this server replays traces up to "
+                                 f"{self.settings.max_trace_bytes / 1024:,.0f} KB")
+            runs, codec, meta = loads(Path(path).read_text(encoding="utf-8"))
+        except (TraceError, OSError, UnicodeDecodeError) as exc:
+            yield self._idle(f"Cannot replay this file: {exc}")
+            return
+        primary = meta.get("primary") if meta.get("primary") in runs else next(iter(runs))
+        prompt_ids = next((list(e.prompt_ids) for e in runs[primary] if hasattr(e, "prompt_ids")), [])
+
+        def prepare(say):
+            say("Replaying a recorded trace (no model loaded)")
+            return codec, Prompt(prompt_ids, (0, len(prompt_ids))), float("inf"), replay(runs, 1.0 if pace == "recorded pace" else 0.0)
+
+        state.job = Job(list(runs), lambda m, c: preset(m), prepare).start()
+        yield from self._stream(state.job, primary, {**meta, "replayed": True})
+
+    def stop(self, state: SessionState) -> str:
+        if state.job is None or state.job.done.is_set():
+            return status_html(["Nothing is running."])
+        state.stop()
+        return status_html(["Stopping: the run ends after the current step (or prefill block)."])
+
+    def _idle(self, error: str) -> tuple:
+        return (status_html([], error), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip())
+
+    def _stream(self, job: Job, primary: str, meta: dict[str, Any]) -> Iterator[tuple]:
+        """Redraw the panels from the job's snapshots until it is done; unchanged panels are not resent.
+        Figures are serialised here once with orjson and handed to gradio as ready Plot payloads."""
+        meter = RedrawMeter(self.settings.redraw_s, self.settings.redraw_share)
+        sent: list[Any] = [None] * 6
+        while True:
+            finished = job.done.wait(meter.wait())
+            began = time.perf_counter()
+            runs = job.snapshot()
+            decode = job.codec.decode if job.codec is not None else (lambda ids: "")
+            view = main_view(runs, primary, decode)
+            fresh = [view.output, view.exactness, orjson.dumps(view.retrieval), orjson.dumps(view.acceptance),
+                     orjson.dumps(view.throughput), view.readout]
+            values: list[Any] = []
+            for i, value in enumerate(fresh):
+                if value == sent[i] and not finished:  # the last message carries every panel
+                    values.append(gr.skip())
+                else:
+                    sent[i] = value
+                    values.append(PlotData(type="plotly", plot=value.decode()) if isinstance(value, bytes) else value)
+            meter.drew(time.perf_counter() - began)
+            download = gr.skip()
+            if finished and runs:  # after the run: not counted as drawing cost
+                download = gr.DownloadButton(value=self._export(runs, decode, meta), visible=True)
+            lines = [job.status, meter.line()] if not finished else [
+                "Done." if not job.error else "", *(f"{m}: {status}" for m, status in _endings(runs)), meter.line()]
+            yield (status_html(lines, job.error), *values, download)
+            meter.resumed()
+            if finished:
+                return
+
+    def _export(self, runs, decode, meta: dict[str, Any]) -> str:
+        path = self.trace_dir / f"specextend-trace-{time.strftime('%Y%m%d-%H%M%S')}-{id(runs) % 10000}.json"
+        path.write_text(dumps(runs, decode, meta), encoding="utf-8")
+        return str(path)
+
+
+def _endings(runs) -> Iterator[tuple[str, str]]:
+    from visualizers.common import stop_reason
+
+    for method, events in runs.items():
+        yield method, stop_reason(events)
+
+
+def build_app(factory: EngineFactory = real_factory, settings: Settings | None = None) -> gr.Blocks:
+    """The whole app, wired to `factory`; nothing is loaded until a run asks for it."""
+    settings = settings or Settings.from_env()
+    studio = Studio(factory, settings)
+    k = Knobs()
+    with gr.Blocks(title="SpecExtend Studio") as demo:
+        state = gr.State(SessionState, delete_callback=SessionState.close)
+        gr.Markdown(INTRO)
+        with gr.Tabs():
+            with gr.Tab("Long document", id="main"):
+                with gr.Row(equal_height=False):
+                    with gr.Column(scale=1, min_width=340):
+                        samples = documents.samples()
+                        sample = gr.Dropdown(label="Sample document", choices=samples, value=None,
+                                             elem_id="sample", info="public-domain texts shipped with the app")
+                        upload = gr.File(label="…or upload a .txt / .md file", file_types=[".txt", ".md"],
+                                         type="filepath", elem_id="upload", height=90)
+                        document = gr.Textbox(label="Document", lines=8, max_lines=12, elem_id="document",
+                                              placeholder="…or paste a long document here")
+                        doc_info = gr.HTML(studio.document_info("", settings.pairs[0].key), elem_id="doc-info")
+                        task = gr.Textbox(label="Task", value=DEFAULT_TASK, lines=1, elem_id="task")
+                        pair = gr.Dropdown(label="Model pair", choices=[(p.label, p.key) for p in settings.pairs],
+                                           value=settings.pairs[0].key, elem_id="pair")
+                        method = gr.Radio(label="Method", choices=METHOD_CHOICES, value="specextend", elem_id="method")
+                        race = gr.CheckboxGroup(label="Race on the same input, after the main run", choices=RACE_CHOICES,
+                                                value=["speculative", "autoregressive"], elem_id="race")
+                        with gr.Accordion("Knobs", open=False):
+                            max_new = gr.Slider(1, settings.max_new_tokens, value=min(k.max_new_tokens, settings.max_new_tokens),
+                                                step=1, label="max new tokens", elem_id="max-new")
+                            with gr.Row():
+                                chunk = gr.Number(k.chunk_size, label="chunk size (tokens)", precision=0)
+                                top_k = gr.Number(k.top_k, label="top-k chunks kept", precision=0)
+                                every = gr.Number(k.retrieve_every, label="retrieve every (steps)", precision=0)
+                            gr.HTML("<div class='se-help'>working cache = chunk size × top-k tokens; it always holds the "
+                                    "first chunk (the attention sink) and the newest one.</div>")
+                            shape = gr.Radio(["chain", "tree"], value=k.shape, label="draft shape")
+                            with gr.Row():
+                                chain_k = gr.Number(k.k, label="chain length k", precision=0)
+                                depth = gr.Number(k.max_depth, label="tree depth", precision=0)
+                                budget = gr.Number(k.node_budget, label="tree node budget", precision=0)
+                            with gr.Row():
+                                temperature = gr.Number(k.temperature, label="temperature (0 = greedy)")
+                                seed = gr.Number(k.seed, label="seed", precision=0)
+                        with gr.Row():
+                            run_btn = gr.Button("Run", variant="primary", elem_id="run")
+                            stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
+                        status = gr.HTML(status_html(["Ready."]), elem_id="status")
+                    with gr.Column(scale=2):
+                        gr.Markdown("### ① Output\nText the run wrote; the highlighted stretches were guessed by the "
+                                    "draft and accepted by the target.")
+                        output = gr.HTML(elem_id="output")
+                        exact = gr.HTML(elem_id="exactness")
+                        gr.Markdown("### ② Retrieval: which chunks the draft reads\nTop strip: the document in chunks, "
+                                    "coloured by the target's attention; outlined chunks are in the draft's working "
+                                    "cache. Below: the working cache after each retrieval. Hover a chunk to read it.")
+                        retrieval = gr.Plot(show_label=False, elem_id="retrieval-plot")
+                        gr.Markdown("### ③ Acceptance: which guesses the target keeps")
+                        acceptance = gr.Plot(show_label=False, elem_id="acceptance-plot")
+                        gr.Markdown("### ④ Speed\nSame input, same token limit. Tokens/s counts only tokens up to the limit.")
+                        throughput = gr.Plot(show_label=False, elem_id="throughput-plot")
+                        readout = gr.HTML(elem_id="readout")
+                        with gr.Accordion("Trace: export this run, or replay one without a model", open=False):
+                            download = gr.DownloadButton("Download the run as a JSON trace", visible=False,
+                                                         elem_id="download")
+                            with gr.Row():
+                                trace_file = gr.File(label="trace to replay (.json)", file_types=[".json"],
+                                                     type="filepath", height=90, elem_id="trace-file")
+                                pace = gr.Radio(["instant", "recorded pace"], value="instant", label="replay")
+                            replay_btn = gr.Button("Replay", elem_id="replay")
+
+        knobs = [max_new, chunk, top_k, every, shape, chain_k, depth, budget, temperature, seed]
+        outputs = [status, output, exact, retrieval, acceptance, throughput, readout, download]
+        sample.change(studio.pick_sample, sample, [document, upload], queue=False)
+        upload.upload(studio.upload, upload, [document, doc_info], queue=False)
+        document.change(studio.document_info, [document, pair], doc_info, queue=False, trigger_mode="always_last",
+                        show_progress="hidden")
+        run_btn.click(studio.run, [state, document, task, pair, method, race, *knobs], outputs, api_name="run",
+                      concurrency_limit=settings.concurrency, concurrency_id="generate", show_progress="minimal")
+        stop_btn.click(studio.stop, state, status, api_name="stop", queue=False)
+        replay_btn.click(studio.replay, [state, trace_file, pace], outputs, api_name="replay", concurrency_limit=4,
+                         concurrency_id="replay", show_progress="minimal")
+    demo.queue(default_concurrency_limit=settings.concurrency, max_size=settings.queue_size)
+    return demo
+
+
+def launch(demo: gr.Blocks, settings: Settings, **overrides: Any):
+    """Serve the app: the operator's address (127.0.0.1 by default), never a public share link."""
+    options = dict(server_name=settings.host, server_port=settings.port, share=False, css=CSS,
+                   max_file_size=max(4 * settings.max_upload_bytes, settings.max_trace_bytes), footer_links=["api"], show_error=True)
+    options.update(overrides)
+    options["share"] = False
+    return demo.launch(**options)

@@ -1,0 +1,212 @@
+"""The app through gradio_client, launched on 127.0.0.1 with a fake engine factory (no model): a run
+streams every panel, bad input gets a clear message and the app keeps serving, Stop works mid-run,
+two users share the queue, and an exported trace replays with no model."""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from app import Settings, build_app, launch
+from app.runner import Knobs, build_config
+from app.settings import BUNDLED, parse_pairs
+from app.trace import TraceError, loads
+
+from fixtures.fake_engine import fake_factory
+
+ROOT = Path(__file__).parent.parent
+DOC = " ".join(f"word{i}" for i in range(1500))
+KNOBS = dict(max_new=48, chunk=32, top_k=6, every=3, shape="chain", k=4, depth=5, budget=12, temperature=0, seed=0)
+
+
+def run_args(document=DOC, method="specextend", race=("speculative", "autoregressive"), pair=BUNDLED, **knobs):
+    k = {**KNOBS, **knobs}
+    return (document, "Summarize.", pair, method, list(race), *k.values())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    settings = Settings(port=free_port(), max_upload_bytes=4096, max_new_tokens=256, concurrency=1)
+    demo = build_app(fake_factory(step_s=0.02, max_positions=2048), settings)
+    launch(demo, settings, prevent_thread_lock=True, quiet=True)
+    yield f"http://127.0.0.1:{settings.port}/"
+    demo.close()
+
+
+@pytest.fixture
+def client(server):
+    from gradio_client import Client
+
+    return Client(server, verbose=False)
+
+
+def file_path(value) -> str:
+    """A file output's path, whether it came back as a path or as a component update."""
+    return value["value"] if isinstance(value, dict) else value
+
+
+def test_a_run_streams_every_panel_and_exports_a_replayable_trace(client):
+    from gradio_client import handle_file
+
+    job = client.submit(*run_args(), api_name="/run")
+    status, output, exact, retrieval, acceptance, throughput, readout, download = job.result()
+    assert "Done." in status and len(job.outputs()) >= 2  # streamed: several messages, the last carries all
+    download = file_path(download)
+    assert "se-draft" in output and "word" in output
+    assert "✔ Exact" in exact
+    runs, _, meta = loads(Path(download).read_text())
+    assert list(runs) == ["specextend", "speculative", "autoregressive"] and meta["primary"] == "specextend"
+    retrieval = json.loads(retrieval["plot"])
+    steps = [e.step for e in runs["specextend"] if type(e).__name__ == "Retrieved"]
+    assert retrieval["data"][1]["y"] == steps
+    acceptance = json.loads(acceptance["plot"])
+    assert len(acceptance["data"][0]["x"]) == sum(type(e).__name__ == "Verified" for e in runs["specextend"])
+    curves = [d for d in json.loads(throughput["plot"])["data"] if d["type"] == "scatter"]
+    assert len(curves) == 3
+    assert readout.count("<tr>") == 4
+
+    replayed = client.predict(handle_file(download), "instant", api_name="/replay")
+    assert "Done." in replayed[0] and json.loads(replayed[3]["plot"])["data"][1]["y"] == steps
+
+
+@pytest.mark.parametrize("args,message", [
+    (run_args(document="   \n"), "The document is empty"),
+    (run_args(top_k=1), "top_k=1 leaves no room"),
+    (run_args(chunk=0), "chunk_size must be at least 1"),
+    (run_args(temperature=-1), "temperature must be >= 0"),
+    (run_args(document=" ".join(["long"] * 2100)), "exceeds the model's limit of 2,048 positions"),
+])
+def test_bad_input_gets_a_clear_message_and_the_app_keeps_serving(client, args, message):
+    status = client.predict(*args, api_name="/run")[0]
+    assert message in html.unescape(status), status
+    assert "Done." in client.predict(*run_args(race=(), max_new=8), api_name="/run")[0]
+
+
+@pytest.mark.parametrize("args,message", [
+    (run_args(max_new=1000), "greater than maximum value 256"),
+    (run_args(pair="someone/else+draft"), "someone/else+draft"),
+])
+def test_values_outside_a_component_are_refused_before_the_handler(client, args, message):
+    from gradio_client.exceptions import AppError
+
+    with pytest.raises(AppError, match=re.escape(message)):
+        client.predict(*args, api_name="/run")
+    assert "Done." in client.predict(*run_args(race=(), max_new=8), api_name="/run")[0]
+
+
+def test_uploads_are_checked(client, tmp_path):
+    from gradio_client import handle_file
+
+    cases = {
+        "notes.txt": ("plain text, fine".encode(), None),
+        "notes.md": ("# Titel\nÄrger über Größe".encode("utf-8"), None),
+        "empty.txt": (b"  \n ", "The document is empty"),
+        "binary.txt": (b"\x00\x01\x02abc", "binary file"),
+        "latin1.txt": ("caf\xe9".encode("latin-1"), "not valid UTF-8"),
+        "big.txt": (b"x" * 5000, "accepts documents up to 4 KB"),
+        "image.png": (b"\x89PNG", "not a .txt or .md file"),
+    }
+    for name, (data, message) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(data)
+        if name == "image.png":  # the browser's file picker filters by type; the API still checks
+            from app.documents import DocumentError, read_upload
+
+            with pytest.raises(DocumentError, match=message):
+                read_upload(path, 4096)
+            continue
+        text, info = client.predict(handle_file(str(path)), api_name="/upload")
+        if message is None:
+            assert text == data.decode("utf-8"), name
+        else:
+            assert message in info, (name, info)
+
+
+def test_stop_ends_a_run_midway(client):
+    job = client.submit(*run_args(race=("autoregressive",), max_new=256), api_name="/run")
+    while len(job.outputs()) < 2:  # streaming has begun
+        time.sleep(0.05)
+    stop_status = client.predict(api_name="/stop")
+    assert "Stopping" in stop_status
+    status = job.result()[0]
+    assert "specextend: stopped" in status and "autoregressive" not in status
+
+
+def test_two_users_at_once_share_the_queue(server):
+    from gradio_client import Client
+
+    clients = [Client(server, verbose=False) for _ in range(2)]
+    jobs = [c.submit(*run_args(race=(), max_new=64), api_name="/run") for c in clients]
+    results = [j.result(timeout=120) for j in jobs]
+    assert all("Done." in r[0] for r in results)
+
+
+def test_replay_refuses_files_that_are_not_traces(client, tmp_path):
+    path = tmp_path / "nope.json"
+    path.write_text('{"hello": 1}')
+    from gradio_client import handle_file
+
+    status = client.predict(handle_file(str(path)), "instant", api_name="/replay")[0]
+    assert "Cannot replay this file" in status and "not a SpecExtend trace" in status
+    with pytest.raises(TraceError):
+        loads("not json")
+
+
+def test_knobs_build_the_method_presets():
+    config = build_config("speculative", Knobs(max_new_tokens=10, k=3), eos_ids=(2,))
+    assert config.draft_cache == "full" and config.attention.verify == "masked" and config.eos_token_ids == (2,)
+    assert build_config("specextend", Knobs()).draft_cache == "cmr"
+    with pytest.raises(ValueError, match="whole number"):
+        build_config("specextend", Knobs(k=2.5))
+    with pytest.raises(ValueError, match="capped at 256"):
+        build_config("specextend", Knobs(max_new_tokens=1000), max_new_tokens_cap=256)
+
+
+def test_settings_default_to_localhost_and_the_bundled_pair_only():
+    settings = Settings.from_env({})
+    assert settings.host == "127.0.0.1" and [p.key for p in settings.pairs] == [BUNDLED]
+    with pytest.raises(ValueError, match="allow-list"):
+        settings.pair("meta-llama/Llama-3.1-8B-Instruct+meta-llama/Llama-3.2-1B-Instruct")
+    allowed = Settings.from_env({"SPECEXTEND_PAIRS": "a/target+a/draft, b/t + b/d", "GRADIO_SERVER_NAME": "0.0.0.0"})
+    assert allowed.host == "0.0.0.0" and allowed.pair("b/t+b/d").draft == "b/d"
+    with pytest.raises(ValueError, match="target\\+draft"):
+        parse_pairs("only-a-target")
+
+
+def test_launch_never_shares():
+    seen = {}
+
+    class Demo:
+        def launch(self, **kwargs):
+            seen.update(kwargs)
+
+    launch(Demo(), Settings(), share=True)
+    assert seen["share"] is False and seen["server_name"] == "127.0.0.1"
+
+
+def test_importing_the_app_loads_no_model_and_the_entry_point_goes_offline():
+    code = (
+        "import importlib.util, os, sys\n"
+        "spec = importlib.util.spec_from_file_location('entry', 'app.py')\n"
+        "entry = importlib.util.module_from_spec(spec); spec.loader.exec_module(entry)\n"
+        "assert os.environ['HF_HUB_OFFLINE'] == '1' and os.environ['GRADIO_ANALYTICS_ENABLED'] == 'False'\n"
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'a model library was imported'\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "GRADIO_ANALYTICS_ENABLED", "SPECEXTEND_HUB")}
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env=env, timeout=120)
