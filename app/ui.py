@@ -5,22 +5,24 @@ and the panels are redrawn from snapshots, throttled so drawing costs generation
 
 from __future__ import annotations
 
+import html
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import gradio as gr
 import orjson
 from gradio.components.plot import PlotData
 
 from specextend.config import GenerationConfig, preset
+from visualizers import needle_spec, retrieval_spec
 
 from . import documents
 from .backend import EngineFactory, PairCache, Prompt, real_factory
 from .documents import DocumentError
-from .panels import main_view, status_html
+from .panels import main_view, needle_view, status_html
 from .runner import Job, Knobs, build_config, replay
 from .settings import Settings
 from .trace import TraceError, dumps, loads
@@ -40,6 +42,7 @@ CSS = """
 .se-muted { color: #52606d; font-size: 13px; }
 .se-status { font-size: 13px; color: #323f4b; min-height: 1.4em; }
 .se-help { font-size: 13px; color: #52606d; margin: -4px 0 4px 0; }
+.se-needle { font-size: 14px; padding: 8px 12px; background: #fff8e1; border-left: 4px solid #e9c46a; border-radius: 4px; }
 """
 
 INTRO = """
@@ -63,6 +66,17 @@ METHOD_CHOICES = [
 ]
 RACE_CHOICES = [("standard speculative decoding", "speculative"), ("the target alone (also checks exactness)", "autoregressive")]
 DEFAULT_TASK = "Summarize the document in a few sentences."
+Draw = Callable[[Job, dict, Callable], list]  # (job, runs so far, decode) -> each panel's value
+
+NEEDLE_INTRO = """
+### Needle in a haystack: can the draft still see the fact?
+A one-sentence fact (the *needle*) is planted in a long document and the model is asked about it. The target reads
+the whole document, so its answer is the same either way. But the draft only sees its small working cache: to
+guess the answer's tokens, the needle must be in it. **CMR** fills the cache with the chunks the target attends to,
+and while it answers the question, that is the needle. A **StreamingLLM** window keeps only the first tokens and
+the most recent ones, so a needle in the middle falls out (the paper's Table 1 contrast). Both runs use the same
+working-cache budget and retrieve after every step.
+"""
 
 
 class SessionState:
@@ -181,7 +195,7 @@ class Studio:
             return build_config(m, knobs, codec.eos_ids, self.settings.max_new_tokens)
 
         state.job = Job(methods, configs, prepare).start()
-        yield from self._stream(state.job, method, {"pair": choice.label, "task": task, "primary": method})
+        yield from self._stream(state.job, self._main_draw(method), {"pair": choice.label, "task": task, "primary": method})
 
     def replay(self, state: SessionState, path: str | None, pace: str) -> Iterator[tuple]:
         state.stop()
@@ -204,7 +218,7 @@ class Studio:
             return codec, Prompt(prompt_ids, (0, len(prompt_ids))), float("inf"), replay(runs, 1.0 if pace == "recorded pace" else 0.0)
 
         state.job = Job(list(runs), lambda m, c: preset(m), prepare).start()
-        yield from self._stream(state.job, primary, {**meta, "replayed": True})
+        yield from self._stream(state.job, self._main_draw(primary), {**meta, "replayed": True})
 
     def stop(self, state: SessionState) -> str:
         if state.job is None or state.job.done.is_set():
@@ -212,22 +226,32 @@ class Studio:
         state.stop()
         return status_html(["Stopping: the run ends after the current step (or prefill block)."])
 
-    def _idle(self, error: str) -> tuple:
-        return (status_html([], error), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip())
+    def _idle(self, error: str, outputs: int = 7) -> tuple:
+        return (status_html([], error), *[gr.skip()] * outputs)
 
-    def _stream(self, job: Job, primary: str, meta: dict[str, Any]) -> Iterator[tuple]:
+    def _main_draw(self, primary: str) -> Draw:
+        def draw(job: Job, runs, decode) -> list:
+            view = main_view(runs, primary, decode)
+            return [view.output, view.exactness, view.retrieval, view.acceptance, view.throughput, view.readout]
+
+        return draw
+
+    def _stream(self, job: Job, draw: Draw, export: dict[str, Any] | None = None) -> Iterator[tuple]:
         """Redraw the panels from the job's snapshots until it is done; unchanged panels are not resent.
-        Figures are serialised here once with orjson and handed to gradio as ready Plot payloads."""
+
+        `draw` gives each panel's value (HTML, or a figure dict that is serialised here once with orjson
+        and handed to gradio as a ready Plot payload). With `export`, the last message also carries
+        the trace download, with `export` as its metadata.
+        """
         meter = RedrawMeter(self.settings.redraw_s, self.settings.redraw_share)
-        sent: list[Any] = [None] * 6
+        sent: list[Any] = []
         while True:
             finished = job.done.wait(meter.wait())
             began = time.perf_counter()
             runs = job.snapshot()
             decode = job.codec.decode if job.codec is not None else (lambda ids: "")
-            view = main_view(runs, primary, decode)
-            fresh = [view.output, view.exactness, orjson.dumps(view.retrieval), orjson.dumps(view.acceptance),
-                     orjson.dumps(view.throughput), view.readout]
+            fresh = [orjson.dumps(v) if isinstance(v, dict) else v for v in draw(job, runs, decode)]
+            sent += [None] * (len(fresh) - len(sent))
             values: list[Any] = []
             for i, value in enumerate(fresh):
                 if value == sent[i] and not finished:  # the last message carries every panel
@@ -236,12 +260,14 @@ class Studio:
                     sent[i] = value
                     values.append(PlotData(type="plotly", plot=value.decode()) if isinstance(value, bytes) else value)
             meter.drew(time.perf_counter() - began)
-            download = gr.skip()
-            if finished and runs:  # after the run: not counted as drawing cost
-                download = gr.DownloadButton(value=self._export(runs, decode, meta), visible=True)
+            if export is not None:
+                download = gr.skip()
+                if finished and runs:  # after the run: not counted as drawing cost
+                    download = gr.DownloadButton(value=self._export(runs, decode, export), visible=True)
+                values.append(download)
             lines = [job.status, meter.line()] if not finished else [
                 "Done." if not job.error else "", *(f"{m}: {status}" for m, status in _endings(runs)), meter.line()]
-            yield (status_html(lines, job.error), *values, download)
+            yield (status_html(lines, job.error), *values)
             meter.resumed()
             if finished:
                 return
@@ -250,6 +276,48 @@ class Studio:
         path = self.trace_dir / f"specextend-trace-{time.strftime('%Y%m%d-%H%M%S')}-{id(runs) % 10000}.json"
         path.write_text(dumps(runs, decode, meta), encoding="utf-8")
         return str(path)
+
+    # --- teaching mode ---------------------------------------------------------------------------
+    def needle(self, state: SessionState, haystack: str, depth: float, seed: float, top_k: float, max_new: float,
+               pair_key: str) -> Iterator[tuple]:
+        state.stop()
+        try:
+            from specextend import needle
+
+            choice = self.settings.pair(pair_key)
+            text = documents.check_text(documents.sample_text(haystack) if haystack else "")
+            planted = needle.generate(text, float(depth) / 100.0, seed=int(seed or 0))
+            knobs = Knobs(max_new_tokens=max_new, top_k=top_k, retrieve_every=1, k=4)
+            build_config("specextend", knobs, (), self.settings.max_new_tokens)
+        except (ValueError, KeyError) as exc:
+            yield self._idle(str(exc), 5)
+            return
+        task = f"{planted.question} Answer with the answer only."
+
+        def prepare(say):
+            loaded = self.pairs.get(choice, say)
+            say("Tokenizing the haystack and the question")
+            prompt = loaded.codec.prompt(planted.document, task, marks={"needle": planted.fact})
+            return loaded.codec, prompt, loaded.max_positions, loaded.generate
+
+        def configs(m: str, codec) -> GenerationConfig:
+            return build_config(m, knobs, codec.eos_ids, self.settings.max_new_tokens)
+
+        info = (f"<div class='se-needle'><b>Needle</b> (planted {planted.actual_depth:.0%} into the document): "
+                f"“{html.escape(planted.fact)}”<br><b>Question</b>: {html.escape(planted.question)}</div>")
+
+        def draw(job: Job, runs, decode) -> list:
+            prompt = job.prompt
+            if prompt is None or "needle" not in prompt.marks:
+                return [info, needle_spec({}, (0, 0), 0), "", gr.skip(), gr.skip()]
+            span = prompt.marks["needle"]
+            grid, answers = needle_view(runs, span, len(prompt.ids), planted.answer, decode)
+            mark = ("needle", span)
+            return [info, grid, answers, retrieval_spec(runs.get("specextend", []), decode, mark, height=300),
+                    retrieval_spec(runs.get("streaming", []), decode, mark, height=300)]
+
+        state.job = Job(["specextend", "streaming"], configs, prepare).start()
+        yield from self._stream(state.job, draw)
 
 
 def _endings(runs) -> Iterator[tuple[str, str]]:
@@ -329,6 +397,26 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
                                 pace = gr.Radio(["instant", "recorded pace"], value="instant", label="replay")
                             replay_btn = gr.Button("Replay", elem_id="replay")
 
+            with gr.Tab("Needle in a haystack (teaching)", id="needle"):
+                gr.Markdown(NEEDLE_INTRO)
+                with gr.Row():
+                    n_hay = gr.Dropdown(label="Haystack", choices=samples, value=samples[0][1] if samples else None,
+                                        elem_id="needle-haystack")
+                    n_depth = gr.Slider(0, 100, value=50, step=1, label="needle depth (% into the document)")
+                    n_topk = gr.Number(8, label="working cache (chunks of 32 tokens)", precision=0)
+                    n_new = gr.Number(24, label="max new tokens", precision=0)
+                    n_seed = gr.Number(0, label="seed (which fact)", precision=0)
+                with gr.Row():
+                    n_run = gr.Button("Run CMR and StreamingLLM", variant="primary", elem_id="needle-run")
+                    n_stop = gr.Button("Stop", variant="stop", elem_id="needle-stop")
+                n_status = gr.HTML(elem_id="needle-status")
+                n_info = gr.HTML(elem_id="needle-info")
+                n_grid = gr.Plot(show_label=False, elem_id="needle-plot")
+                n_answers = gr.HTML(elem_id="needle-answers")
+                with gr.Row():
+                    n_cmr = gr.Plot(show_label=False, elem_id="needle-cmr")
+                    n_stream = gr.Plot(show_label=False, elem_id="needle-streaming")
+
         knobs = [max_new, chunk, top_k, every, shape, chain_k, depth, budget, temperature, seed]
         outputs = [status, output, exact, retrieval, acceptance, throughput, readout, download]
         sample.change(studio.pick_sample, sample, [document, upload], queue=False)
@@ -338,6 +426,10 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
         run_btn.click(studio.run, [state, document, task, pair, method, race, *knobs], outputs, api_name="run",
                       concurrency_limit=settings.concurrency, concurrency_id="generate", show_progress="minimal")
         stop_btn.click(studio.stop, state, status, api_name="stop", queue=False)
+        n_run.click(studio.needle, [state, n_hay, n_depth, n_seed, n_topk, n_new, pair],
+                    [n_status, n_info, n_grid, n_answers, n_cmr, n_stream], api_name="needle",
+                    concurrency_limit=settings.concurrency, concurrency_id="generate", show_progress="minimal")
+        n_stop.click(studio.stop, state, n_status, api_name="needle_stop", queue=False)
         replay_btn.click(studio.replay, [state, trace_file, pace], outputs, api_name="replay", concurrency_limit=4,
                          concurrency_id="replay", show_progress="minimal")
     demo.queue(default_concurrency_limit=settings.concurrency, max_size=settings.queue_size)

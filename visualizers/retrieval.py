@@ -8,6 +8,7 @@ retrieval, one column per chunk, filled where the chunk was in the working cache
 
 from __future__ import annotations
 
+import html
 import math
 from functools import lru_cache
 from typing import Sequence
@@ -68,8 +69,12 @@ def _binned(values: Sequence[float | None], width: int) -> list[float | None]:
     return out
 
 
-def retrieval_spec(events: Sequence[Event], decode: Decode) -> Spec:
-    """The retrieval panel for one run (its Retrieved events), as a Plotly figure dict."""
+def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tuple[int, int]] | None = None,
+                   height: int | None = None) -> Spec:
+    """The retrieval panel for one run (its Retrieved events), as a Plotly figure dict.
+
+    `mark` = (name, token span) flags a passage (the needle) above the chunks that hold it.
+    """
     retrievals = of(events, Retrieved)
     if not retrievals:
         method = method_of(events)
@@ -145,6 +150,14 @@ def retrieval_spec(events: Sequence[Event], decode: Decode) -> Spec:
                        "y1": 1, "line": {"color": "#52606d", "width": 1, "dash": "dot"}})
         annotations.append({"text": "output →", "xref": "x", "yref": "paper", "x": boundary, "y": 1.0,
                             "xanchor": "left", "yanchor": "bottom", "showarrow": False, "font": {"size": 11}})
+    if mark is not None:
+        name, (a, b) = mark
+        size = max(latest.chunk_size, 1)
+        first, last = a // size, max(a, b - 1) // size
+        shapes.append({"type": "rect", "xref": "x", "yref": "paper", "x0": first - 0.5, "x1": last + 0.5, "y0": 0,
+                       "y1": 1, "line": {"color": "#d4a017", "width": 1, "dash": "dot"}, "fillcolor": "rgba(233,196,106,0.3)"})
+        annotations.append({"text": f"▼ {html.escape(name)}", "xref": "x", "yref": "paper", "x": (first + last) / 2,
+                            "y": 1.0, "yanchor": "bottom", "showarrow": False, "font": {"size": 11, "color": "#9a6700"}})
 
     if latest.scores:
         best = max(range(n), key=lambda i: latest.scores[i] if i < len(latest.scores) else -1.0)
@@ -158,7 +171,7 @@ def retrieval_spec(events: Sequence[Event], decode: Decode) -> Spec:
                     f"({len(kept)} of {n} chunks)<br><span style='font-size:12px'>the attention sink plus the "
                     "most recent tokens, whatever the output is about</span>")
 
-    height = 170 + min(260, 4 * len(shown) + 40)
+    height = height or 170 + min(260, 4 * len(shown) + 40)
     strip_share = 44 / (height - 100)
     layout = base_layout(
         height,
