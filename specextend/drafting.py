@@ -69,6 +69,7 @@ class Drafter(Protocol):
     """The strategy the engine drafts with (a model drafter, or a scripted one in tests)."""
 
     policy: DraftCachePolicy
+    working_len: int
 
     def prefill(self, prompt: list[int], stop) -> Iterator[int]: ...
     def propose(self, depth: int, generator: torch.Generator | None) -> DraftTree: ...
@@ -92,6 +93,10 @@ class ModelDrafter:
         self.inv_freq = rope_inv_freq(model)
         self.pending: list[int] = []  # committed tokens whose KV the draft has not computed yet
         self._tree: _Growing | None = None
+
+    @property
+    def working_len(self) -> int:
+        return self.working.length
 
     # -- prefill ---------------------------------------------------------------------------------------
     def prefill(self, prompt: list[int], stop, block: int = 2048) -> Iterator[int]:
@@ -165,8 +170,11 @@ class ModelDrafter:
         seq_len = self.store.length
         selection = self.policy.select(seq_len, token_scores)
         positions = selection.positions
-        kv = self.store.gather(positions)
         compact = torch.arange(positions.shape[0])
+        if seq_len == 0:  # a one-token prompt: nothing is stored yet
+            self.working.crop(0)
+            return selection, seq_len
+        kv = self.store.gather(positions)
         self.working.replace(reposition(kv, self.store.rope_positions[positions], compact, self.inv_freq), compact)
         return selection, seq_len
 

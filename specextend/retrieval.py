@@ -25,6 +25,8 @@ def chunk_scores(token_scores: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """Mean token score per chunk: (T,) -> (ceil(T / chunk_size),), a partial last chunk averaged over its tokens."""
     seq_len = token_scores.shape[0]
     n_chunks = -(-seq_len // chunk_size)
+    if n_chunks == 0:
+        return torch.zeros(0)
     padded = torch.zeros(n_chunks * chunk_size, dtype=torch.float32)
     padded[:seq_len] = token_scores.float().cpu()
     sums = padded.view(n_chunks, chunk_size).sum(dim=1)
@@ -36,7 +38,7 @@ def chunk_scores(token_scores: torch.Tensor, chunk_size: int) -> torch.Tensor:
 def select_chunks(scores: torch.Tensor, top_k: int) -> list[int]:
     """The top_k chunks by score, always including the first (attention sink) and the last (newest), in order."""
     n_chunks = scores.shape[0]
-    if n_chunks <= top_k:
+    if n_chunks <= top_k:  # everything fits (also: nothing to choose from)
         return list(range(n_chunks))
     forced = {0, n_chunks - 1}
     rest = scores.clone()

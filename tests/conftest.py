@@ -9,6 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from specextend.models import make_pair
 
 VOCAB = 97
+torch.set_num_threads(1)  # tiny models gain nothing from threads; one thread keeps runs steady on a busy machine
 
 
 def tiny(family: str = "llama", layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, seed: int = 0,

@@ -1,0 +1,161 @@
+"""Command line: `python -m specextend generate --input FILE --method METHOD [knobs]`.
+
+A thin shell around the engine: it owns tokenization (the engine sees token ids only), prints the
+generated text and, as its last line, one JSON object with the run's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from .config import METHODS, AttentionConfig, DraftConfig, RetrievalConfig, preset
+
+DEFAULT_INSTRUCTION = "Summarize the document above in a few sentences."
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m specextend", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate from a document with one method",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g.add_argument("--input", required=True, help="UTF-8 text file: the document")
+    g.add_argument("--method", choices=METHODS, default="specextend", help="decoding method")
+    g.add_argument("--instruction", default=DEFAULT_INSTRUCTION, help="the task, appended after the document")
+    g.add_argument("--raw", action="store_true", help="feed the document as is: no chat template, no instruction")
+    g.add_argument("--truncate", action="store_true",
+                   help="if document plus max-new-tokens exceeds the target's limit, drop the document's middle "
+                        "(keeping its start and end) instead of failing")
+    g.add_argument("--target", help="target model: local dir, dir with one .gguf, or hub id (default: bundled)")
+    g.add_argument("--draft", help="draft model (default: bundled)")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    g.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    d = DraftConfig()
+    g.add_argument("--draft-shape", choices=("chain", "tree"), default=d.shape)
+    g.add_argument("--k", type=int, default=d.k, help="chain: draft tokens per step")
+    g.add_argument("--max-depth", type=int, default=d.max_depth, help="tree: deepest level")
+    g.add_argument("--node-budget", type=int, default=d.node_budget, help="tree: most nodes verified per step")
+    g.add_argument("--branch", type=int, default=d.branch, help="tree: frontier nodes expanded per level")
+    g.add_argument("--children", type=int, default=d.children, help="tree: children per expanded node")
+    g.add_argument("--stop-threshold", type=float, default=d.stop_threshold,
+                   help="tree: stop growing below this cumulative draft probability")
+    r = RetrievalConfig()
+    g.add_argument("--chunk-size", type=int, default=r.chunk_size, help="CMR chunk size in tokens")
+    g.add_argument("--top-k", type=int, default=r.top_k, help="CMR chunks in the working cache (sink and newest included)")
+    g.add_argument("--working-cache", type=int, help="working cache in tokens (sets --top-k = this // chunk size)")
+    g.add_argument("--retrieve-every", type=int, default=r.retrieve_every, help="CMR: steps between retrievals")
+    g.add_argument("--prefill-window", type=int, default=r.prefill_window, help="draft's sliding prefill window")
+    g.add_argument("--sink-tokens", type=int, default=r.sink_tokens, help="streaming: attention-sink tokens")
+    g.add_argument("--prefill", choices=("fused", "eager"), help="prefill kernel (default: the method's)")
+    g.add_argument("--verify", choices=("hybrid", "masked"), help="verification kernel (default: the method's)")
+    g.add_argument("--cmr", action=argparse.BooleanOptionalAction, default=None,
+                   help="Cross-model Retrieval on/off (default: on for specextend only)")
+    g.add_argument("--trace", help="save the run's events as a JSON trace here")
+    return p
+
+
+def config_from(args: argparse.Namespace, eos: tuple[int, ...]):
+    """A GenerationConfig from parsed arguments; every nonsense value raises ValueError here."""
+    if args.working_cache is not None:
+        retrieval = RetrievalConfig.with_working_cache(
+            args.working_cache, args.chunk_size, retrieve_every=args.retrieve_every,
+            prefill_window=args.prefill_window, sink_tokens=args.sink_tokens)
+    else:
+        retrieval = RetrievalConfig(args.chunk_size, args.top_k, args.retrieve_every, args.prefill_window, args.sink_tokens)
+    draft = DraftConfig(args.draft_shape, args.k, args.max_depth, args.node_budget, args.branch, args.children,
+                        args.stop_threshold)
+    base = preset(args.method).attention
+    attention = AttentionConfig(prefill=args.prefill or base.prefill, verify=args.verify or base.verify)
+    return preset(args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                  seed=args.seed, eos_token_ids=eos, draft=draft, retrieval=retrieval, attention=attention, cmr=args.cmr)
+
+
+def encode_document(tokenizer, text: str, instruction: str, raw: bool) -> list[int]:
+    if raw or not getattr(tokenizer, "chat_template", None):
+        return tokenizer(text if raw else f"{text}\n\n{instruction}", add_special_tokens=True)["input_ids"]
+    messages = [{"role": "user", "content": f"{text}\n\n{instruction}"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def fit(prompt: list[int], limit: int, keep_head: int = 256) -> list[int]:
+    """Drop the middle of a prompt so it has at most `limit` tokens (its start and end are kept)."""
+    if len(prompt) <= limit:
+        return prompt
+    head = min(keep_head, limit // 2)
+    return prompt[:head] + prompt[len(prompt) - (limit - head):]
+
+
+def eos_ids(tokenizer, model) -> tuple[int, ...]:
+    ids = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None)
+        ids.update(value if isinstance(value, (list, tuple)) else [value] if value is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
+
+
+def generate_command(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoTokenizer
+
+    from . import bundled
+    from .engine import generate
+    from .events import Finished, save_trace
+    from .metrics import summarize
+    from .models import load_pair
+
+    text = Path(args.input).read_text(encoding="utf-8")
+    if not text.strip():
+        raise ValueError(f"{args.input} is empty")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, draft = args.target, args.draft
+    if target is None or draft is None:
+        bundled_target, bundled_draft = bundled.default_pair()
+        target, draft = target or bundled_target, draft or bundled_draft
+    pair = load_pair(target, draft if args.method != "autoregressive" else None, args.device, args.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(target if Path(target).is_dir() else str(target), trust_remote_code=False)
+    config = config_from(args, eos_ids(tokenizer, pair.target))
+    prompt = encode_document(tokenizer, text, args.instruction, args.raw)
+    if args.truncate:
+        prompt = fit(prompt, pair.max_positions - config.max_new_tokens)
+    trace = list(generate(pair, prompt, config))
+    if args.trace:
+        save_trace(trace, args.trace)
+    finished = trace[-1]
+    assert isinstance(finished, Finished)
+    summary = summarize(trace)
+    out_text = tokenizer.decode(list(finished.token_ids), skip_special_tokens=True)
+    print(out_text)
+    print(json.dumps({
+        "method": config.method, "prompt_tokens": len(prompt), "token_ids": list(finished.token_ids),
+        "text": out_text, "decode_tokens_per_s": summary.decode_tokens_per_s,
+        "e2e_tokens_per_s": summary.e2e_tokens_per_s, "mean_accepted": summary.mean_accepted,
+        "acceptance_by_position": list(summary.acceptance_by_position), "phase_seconds": summary.phase_seconds,
+        "cmr_overhead_share": summary.cmr_overhead_share, "steps": summary.steps, "stop_reason": summary.stop_reason,
+        "device": str(pair.device), "dtype": str(pair.dtype).replace("torch.", ""), "backend": pair.backend,
+        "config": asdict(config),
+    }))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = build_parser().parse_args(argv)
+    try:
+        return generate_command(args)
+    except (ValueError, FileNotFoundError, UnicodeDecodeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,262 @@
+"""The engine end to end on tiny random-init models (fp32): lossless greedy output for every method,
+ablation, draft shape and retrieval budget; scripted drafts; event invariants; bad input; stop."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from conftest import VOCAB, reference_greedy, tiny
+from specextend import events as ev
+from specextend.config import AttentionConfig, DraftConfig, GenerationConfig, RetrievalConfig, preset
+from specextend.drafting import DraftTree
+from specextend.engine import generate
+from specextend.metrics import new_tokens, summarize
+from specextend.models import make_pair
+from specextend.retrieval import DraftCachePolicy
+
+N_NEW = 24
+
+
+def prompt_of(length: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run(pair, prompt, config, **kw) -> list:
+    return list(generate(pair, prompt, config, **kw))
+
+
+def output(trace) -> list[int]:
+    return list(trace[-1].token_ids)
+
+
+@pytest.fixture(scope="module")
+def refs(llama_pair):
+    cache = {}
+
+    def ref(prompt):
+        key = tuple(prompt)
+        if key not in cache:
+            cache[key] = reference_greedy(llama_pair.target, prompt, N_NEW)
+        return cache[key]
+
+    return ref
+
+
+SETTINGS = [RetrievalConfig(chunk_size=32, top_k=32, retrieve_every=4, prefill_window=512),
+            RetrievalConfig(chunk_size=16, top_k=4, retrieve_every=2, prefill_window=48, sink_tokens=4),
+            RetrievalConfig(chunk_size=7, top_k=2, retrieve_every=1, prefill_window=5, sink_tokens=1)]  # minimum budget
+DRAFTS = [DraftConfig(shape="chain", k=4), DraftConfig(shape="chain", k=1),
+          DraftConfig(shape="tree", max_depth=4, node_budget=10, branch=2, children=3, stop_threshold=0.0),
+          DraftConfig(shape="tree", max_depth=6, node_budget=6, branch=3, children=2, stop_threshold=0.05)]
+
+
+@pytest.mark.parametrize("method", ["autoregressive", "speculative", "streaming", "specextend"])
+@pytest.mark.parametrize("draft", DRAFTS, ids=["chain4", "chain1", "tree10", "tree6"])
+@pytest.mark.parametrize("prompt_len", [1, 77, 301])
+def test_greedy_equals_target(llama_pair, refs, method, draft, prompt_len):
+    prompt = prompt_of(prompt_len, seed=prompt_len)
+    for retrieval in SETTINGS if method in ("streaming", "specextend") else SETTINGS[:1]:
+        trace = run(llama_pair, prompt, preset(method, max_new_tokens=N_NEW, draft=draft, retrieval=retrieval))
+        assert output(trace) == refs(prompt), (method, draft, retrieval)
+
+
+@pytest.mark.parametrize("prefill", ["fused", "eager"])
+@pytest.mark.parametrize("verify", ["hybrid", "masked"])
+@pytest.mark.parametrize("cmr", [True, False])
+def test_every_ablation_is_lossless(llama_pair, refs, prefill, verify, cmr):
+    prompt = prompt_of(203, seed=5)
+    config = GenerationConfig(method="specextend", max_new_tokens=N_NEW, cmr=cmr,
+                              attention=AttentionConfig(prefill=prefill, verify=verify),
+                              retrieval=RetrievalConfig(chunk_size=16, top_k=3, retrieve_every=2, prefill_window=32))
+    assert output(run(llama_pair, prompt, config)) == refs(prompt)
+
+
+def test_qwen2_family_is_lossless(qwen_pair):
+    prompt = prompt_of(150, seed=9)
+    ref = reference_greedy(qwen_pair.target, prompt, N_NEW)
+    for method in ("speculative", "streaming", "specextend"):
+        for shape in ("chain", "tree"):
+            config = preset(method, max_new_tokens=N_NEW, draft=DraftConfig(shape=shape),
+                            retrieval=RetrievalConfig(chunk_size=16, top_k=3, retrieve_every=2, prefill_window=40))
+            assert output(run(qwen_pair, prompt, config)) == ref
+
+
+@pytest.fixture(scope="module")
+def self_pair():
+    """The target drafting for itself: with a full cache every draft token should be accepted."""
+    target = tiny("llama", layers=3, seed=1)
+    return make_pair(target, copy.deepcopy(target))
+
+
+def test_self_draft_accepts_everything_with_full_cache(self_pair, refs):
+    prompt = prompt_of(120, seed=3)
+    trace = run(self_pair, prompt, preset("speculative", max_new_tokens=N_NEW, draft=DraftConfig(shape="chain", k=5)))
+    assert output(trace) == refs(prompt)
+    verified = [e for e in trace if isinstance(e, ev.Verified)]
+    generated = 1
+    for v in verified:  # every step accepts its whole chain (cut only by the room left under max_new_tokens)
+        assert v.num_accepted == min(5, N_NEW - generated - 1)
+        generated += len(v.committed)
+    tree = DraftConfig(shape="tree", max_depth=5, node_budget=12, branch=2, children=3, stop_threshold=0.0)
+    trace = run(self_pair, prompt, preset("speculative", max_new_tokens=N_NEW, draft=tree))
+    assert output(trace) == refs(prompt)
+    assert summarize(trace).mean_accepted >= 3.0
+
+
+def test_working_cache_that_holds_everything_drafts_like_the_full_cache(self_pair, refs):
+    """Rebuilding, re-positioning and retrieval must not change a draft that keeps every position."""
+    prompt = prompt_of(300, seed=4)
+    chain = DraftConfig(shape="chain", k=4)
+    full = summarize(run(self_pair, prompt, preset("speculative", max_new_tokens=N_NEW, draft=chain)))
+    roomy = RetrievalConfig(chunk_size=8, top_k=64, retrieve_every=1, prefill_window=512, sink_tokens=2)
+    tight = RetrievalConfig(chunk_size=8, top_k=4, retrieve_every=1, prefill_window=16, sink_tokens=2)
+    for method in ("streaming", "specextend"):
+        trace = run(self_pair, prompt, preset(method, max_new_tokens=N_NEW, draft=chain, retrieval=roomy))
+        assert output(trace) == refs(prompt)
+        assert summarize(trace).mean_accepted == full.mean_accepted > 4.0
+        assert output(run(self_pair, prompt, preset(method, max_new_tokens=N_NEW, draft=chain, retrieval=tight))) == refs(prompt)
+
+
+class ScriptedDrafter:
+    """Proposes from the known reference output: right, wrong, or right for the first j tokens."""
+
+    def __init__(self, reference: list[int], right_for: int, branching: bool = False) -> None:
+        self.reference, self.right_for, self.branching = reference, right_for, branching
+        self.policy = DraftCachePolicy()
+        self.working_len = 0
+        self.generated: list[int] = []
+        self.proposed: list[int] = []
+
+    def prefill(self, prompt, stop):
+        return iter(())
+
+    def pend(self, token):
+        self.generated.append(token)
+
+    def propose(self, depth, generator):
+        i = len(self.generated)
+        tokens, parents = [], []
+        for d in range(depth):
+            right = self.reference[i + d]
+            token = right if d < self.right_for else (right + 1) % VOCAB
+            parent = 2 * d - 1 if self.branching else d - 1  # the previous level's scripted token
+            if self.branching:  # a wrong sibling first, so the scripted token is its parent's second child
+                tokens.append((right + 2) % VOCAB)
+                parents.append(parent)
+            tokens.append(token)
+            parents.append(parent)
+        self.proposed = tokens
+        n = len(tokens)
+        return DraftTree(tuple(tokens), tuple(parents), tuple(_depths(parents)), (1.0,) * n, None, 0)
+
+    def commit(self, path, bonus):
+        self.generated += [self.proposed[n] for n in path] + [bonus]
+
+    def rebuild(self, scores):
+        raise AssertionError("the full policy never rebuilds")
+
+
+def _depths(parents):
+    out = []
+    for p in parents:
+        out.append(1 if p < 0 else out[p] + 1)
+    return out
+
+
+@pytest.mark.parametrize("right_for", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("branching", [False, True])
+def test_scripted_drafts(llama_pair, refs, right_for, branching):
+    prompt = prompt_of(90, seed=11)
+    ref = refs(prompt)
+    drafter = ScriptedDrafter(ref + [0] * 8, right_for, branching)
+    trace = run(llama_pair, prompt, preset("speculative", max_new_tokens=N_NEW, draft=DraftConfig(k=4)), drafter=drafter)
+    assert output(trace) == ref
+    steps = [e for e in trace if isinstance(e, ev.Verified)]
+    full_depth = [v for v in steps[:-1]]  # the last step's depth is cut by max_new_tokens
+    assert all(v.num_accepted == min(right_for, 4) for v in full_depth)
+
+
+def test_event_invariants(llama_pair):
+    prompt = prompt_of(260, seed=2)
+    config = preset("specextend", max_new_tokens=40, draft=DraftConfig(shape="tree"),
+                    retrieval=RetrievalConfig(chunk_size=16, top_k=4, retrieve_every=3, prefill_window=32))
+    trace = run(llama_pair, prompt, config)
+    assert isinstance(trace[0], ev.Started) and isinstance(trace[-1], ev.Finished)
+    verified = [e for e in trace if isinstance(e, ev.Verified)]
+    # committed tokens add up, and equal the output
+    assert new_tokens(trace) == output(trace)
+    assert all(len(v.committed) == v.num_accepted + 1 for v in verified[:-1])
+    assert [v.total_new for v in verified] == list(torch.cumsum(torch.tensor([len(v.committed) for v in verified]), 0) + 1)
+    # positions only grow, and each step starts where the last one ended
+    assert all(b.position == a.position + len(a.committed) for a, b in zip(verified, verified[1:]))
+    assert verified[0].position == len(prompt) + 1
+    times = [e.t_s for e in trace]
+    assert times == sorted(times)
+    # retrieval on schedule: after prefill, then every 3 steps
+    retrieved = [e for e in trace if isinstance(e, ev.Retrieved)]
+    assert [r.step for r in retrieved] == [0] + [s for s in range(1, len(verified)) if s % 3 == 0]
+    for r in retrieved:
+        assert r.selected[0] == 0 and r.selected[-1] == len(r.chunk_spans) - 1
+        assert len(r.selected) <= 4 and r.working_cache_len == sum(e - s for s, e in r.kept_spans)
+    # the trace survives JSON and summarises the same
+    assert ev.loads(ev.dumps(trace)) == trace
+    assert summarize(ev.loads(ev.dumps(trace))) == summarize(trace)
+
+
+def test_long_then_short_request(llama_pair, refs):
+    config = preset("specextend", max_new_tokens=N_NEW,
+                    retrieval=RetrievalConfig(chunk_size=16, top_k=4, retrieve_every=2, prefill_window=64))
+    for length in (1500, 5, 700, 1):
+        prompt = prompt_of(length, seed=length)
+        assert output(run(llama_pair, prompt, config)) == refs(prompt)
+
+
+def test_eos_stops_and_nothing_past_it_counts(llama_pair, refs):
+    prompt = prompt_of(64, seed=13)
+    ref = refs(prompt)
+    eos = ref[7]
+    trace = run(llama_pair, prompt, preset("speculative", max_new_tokens=N_NEW, eos_token_ids=(eos,)))
+    assert output(trace) == ref[: ref.index(eos) + 1]
+    assert trace[-1].stop_reason == "eos"
+    assert summarize(trace).new_tokens == ref.index(eos) + 1
+
+
+def test_stop_between_steps_and_during_prefill(llama_pair):
+    stop = threading.Event()
+    trace = []
+    for event in generate(llama_pair, prompt_of(100), preset("specextend", max_new_tokens=N_NEW), stop=stop):
+        trace.append(event)
+        if isinstance(event, ev.Verified) and event.step == 2:
+            stop.set()
+    assert trace[-1].stop_reason == "stopped" and trace[-1].steps == 2
+    stop = threading.Event()
+    stop.set()
+    trace = run(llama_pair, prompt_of(3000), preset("specextend", max_new_tokens=8), stop=stop)
+    assert trace[-1].stop_reason == "stopped" and trace[-1].token_ids == ()
+
+
+def test_bad_requests_raise_before_any_work(llama_pair):
+    with pytest.raises(ValueError, match="empty"):
+        next(generate(llama_pair, [], preset("specextend")))
+    with pytest.raises(ValueError, match=r"4090 tokens.*max_new_tokens \(10\).*4096"):
+        next(generate(llama_pair, prompt_of(4090), preset("specextend", max_new_tokens=10)))
+    with pytest.raises(ValueError, match="token ids"):
+        next(generate(llama_pair, [VOCAB + 5], preset("specextend")))
+    other = tiny("llama", layers=1)
+    other.resize_token_embeddings(VOCAB + 3)
+    with pytest.raises(ValueError, match="vocabular"):
+        make_pair(tiny("llama"), other)
+
+
+def test_sampling_runs_reproducibly_and_respects_limits(llama_pair):
+    prompt = prompt_of(180, seed=21)
+    for method in ("autoregressive", "speculative", "specextend"):
+        for shape in ("chain", "tree"):
+            config = preset(method, max_new_tokens=N_NEW, temperature=0.8, top_p=0.9, seed=7, draft=DraftConfig(shape=shape),
+                            retrieval=RetrievalConfig(chunk_size=16, top_k=4, prefill_window=32))
+            a, b = output(run(llama_pair, prompt, config)), output(run(llama_pair, prompt, config))
+            assert a == b and len(a) == N_NEW
