@@ -1,0 +1,150 @@
+"""Measure the bundled draft against the target on held-out text (the bundled documents).
+
+1. Top-1 agreement, teacher-forced, 256-token context: each held-out document is cut into 256-token
+   windows (up to --windows per document, spread over it); agreement is the share of positions
+   where the draft's argmax equals the target's argmax (both float32).
+2. Long context: on the first 4,096 tokens of each document that long, agreement over the last 512
+   positions (a) when the draft attends over all 4K tokens directly, and (b) through a sliding
+   window: each block of 256 predictions sees the 256 tokens before it plus itself (256 to 511
+   tokens of context, positions renumbered from 0), as the engine's 512-window prefill does.
+3. Decode step: one new token with a KV cache holding about --context tokens, median of --steps
+   steps, draft and target alternating, same dtype.
+
+The target's argmaxes are cached in cache/eval/ (they do not change). Prints one JSON object.
+
+    python scripts/eval_draft.py --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import pd_corpus
+
+sys.path.insert(0, str(pd_corpus.REPO_ROOT))
+from specextend import bundled  # noqa: E402
+
+CACHE = pd_corpus.CACHE / "eval"
+
+
+def windows_for(ids: list[int], size: int, count: int) -> list[list[int]]:
+    n = len(ids) // size
+    step = max(1, n // count)
+    return [ids[i * size:(i + 1) * size] for i in range(0, n, step)][:count]
+
+
+@torch.inference_mode()
+def argmax_of(model, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids).logits.argmax(-1)
+
+
+def cached_target_argmax(target, key: str, ids: torch.Tensor) -> torch.Tensor:
+    path = CACHE / f"{key}.pt"
+    if path.is_file():
+        saved = torch.load(path)
+        if torch.equal(saved["ids"], ids):
+            return saved["argmax"]
+    out = argmax_of(target, ids)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    torch.save({"ids": ids, "argmax": out}, path)
+    return out
+
+
+@torch.inference_mode()
+def decode_step_ms(model, context: int, steps: int, vocab: int) -> list[float]:
+    from transformers import DynamicCache
+
+    ids = torch.randint(100, vocab, (1, context))
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids, past_key_values=cache, use_cache=True)
+    times = []
+    for _ in range(steps):
+        tok = torch.randint(100, vocab, (1, 1))
+        t = time.perf_counter()
+        model(input_ids=tok, past_key_values=cache, use_cache=True)
+        times.append((time.perf_counter() - t) * 1000)
+        cache.crop(context)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--windows", type=int, default=4, help="256-token windows per document")
+    ap.add_argument("--long-docs", type=int, default=2)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("--skip-long", action="store_true")
+    ap.add_argument("--skip-timing", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tdir = bundled.target_dir()
+    ddir = Path(args.draft) if args.draft else bundled.draft_dir()
+    tok = AutoTokenizer.from_pretrained(tdir)
+    target = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(ddir, dtype=torch.float32).eval()
+    result: dict = {"draft": str(ddir), "threads": args.threads}
+
+    docs = [d for d in bundled.documents() if d.split == "eval"]
+    per_doc = {}
+    hits = total = 0
+    for d in docs:
+        ids = tok(d.text(), add_special_tokens=False)["input_ids"]
+        w = torch.tensor(windows_for(ids, 256, args.windows))
+        t_arg = cached_target_argmax(target, f"{d.name}-256x{len(w)}", w)
+        d_arg = argmax_of(draft, w)
+        h, n = int((t_arg == d_arg).sum()), t_arg.numel()
+        per_doc[d.name] = round(h / n, 4)
+        hits += h
+        total += n
+    result["agreement_256"] = round(hits / total, 4)
+    result["agreement_256_positions"] = total
+    result["agreement_256_by_document"] = per_doc
+
+    if not args.skip_long:
+        long_docs = [d for d in docs if d.tokens >= 4096][: args.long_docs]
+        direct_h = window_h = n_long = 0
+        for d in long_docs:
+            ids = torch.tensor([tok(d.text(), add_special_tokens=False)["input_ids"][:4096]])
+            t_arg = cached_target_argmax(target, f"{d.name}-4096", ids)[0, -512:]
+            direct = argmax_of(draft, ids)[0, -512:]
+            windowed = []
+            for s in (4096 - 512, 4096 - 256):  # two blocks of 256 predictions
+                ctx = ids[:, s - 256: s + 256]  # 512 tokens, positions 0..511
+                windowed.append(argmax_of(draft, ctx)[0, 256:])
+            windowed = torch.cat(windowed)
+            direct_h += int((direct == t_arg).sum())
+            window_h += int((windowed == t_arg).sum())
+            n_long += 512
+        result["long_documents"] = [d.name for d in long_docs]
+        result["agreement_4k_direct"] = round(direct_h / max(1, n_long), 4)
+        result["agreement_4k_window512"] = round(window_h / max(1, n_long), 4)
+        result["agreement_4k_positions"] = n_long
+
+    if not args.skip_timing:
+        for dtype_name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+            tm = target.to(dtype)
+            dm = draft.to(dtype)
+            t_ms, d_ms = [], []
+            for _ in range(2):  # alternate to share whatever else the machine is doing
+                d_ms += decode_step_ms(dm, args.context, args.steps // 2, tok.vocab_size)
+                t_ms += decode_step_ms(tm, args.context, args.steps // 2, tok.vocab_size)
+            dmed, tmed = statistics.median(d_ms), statistics.median(t_ms)
+            result[f"decode_ms_{dtype_name}"] = {"draft": round(dmed, 2), "target": round(tmed, 2),
+                                                 "ratio_target_over_draft": round(tmed / dmed, 2),
+                                                 "context": args.context, "steps_each": len(d_ms)}
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+"""Train the bundled draft: a small plain LlamaForCausalLM distilled from the target on short windows.
+
+Input: the teacher shards in cache/teacher/ (scripts/teacher_topk.py: public-domain text windows;
+scripts/chat_samples.py: the target's own greedy answers to document instructions), each row a
+window of at most 512 tokens with the target's top-k log-probabilities at every position.
+
+The draft has the target's full vocabulary (49,152) and tokenizer, tied embeddings initialised from
+the top principal directions of the target's embedding matrix, and never sees a position past 511.
+Loss per position on teacher rows: cross-entropy of the draft's full softmax against the target's
+top-k distribution (renormalised over those k tokens), plus a small cross-entropy on the target's
+argmax. A share of the batches (--text-share) are plain windows of the same training text with the
+ordinary next-token loss: on this shared 2-core CPU the target labels only ~50 tokens/s, so cheap
+real-text batches carry most of the language modelling and the teacher rows steer it to the target.
+The learning rate follows a cosine over the wall-clock budget, so a run of --minutes ends annealed.
+Every --save-every minutes and at the end the weights are written (bfloat16 safetensors) to --out
+with the tokenizer files and a training record (train_record.json).
+
+    python scripts/train_draft.py --minutes 40 --seed 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import pd_corpus
+
+sys.path.insert(0, str(pd_corpus.REPO_ROOT))
+from specextend import bundled  # noqa: E402
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def draft_config(target_cfg, layers: int, hidden: int, heads: int, kv_heads: int, ff: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=target_cfg.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=ff,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        hidden_act="silu",
+        max_position_embeddings=target_cfg.max_position_embeddings,
+        rms_norm_eps=1e-5,
+        rope_parameters=dict(target_cfg.rope_parameters),
+        tie_word_embeddings=True,
+        bos_token_id=target_cfg.bos_token_id,
+        eos_token_id=target_cfg.eos_token_id,
+        pad_token_id=target_cfg.pad_token_id,
+        attention_bias=False,
+        mlp_bias=False,
+        initializer_range=0.02,
+    )
+
+
+def init_from_target(model, target_embed: torch.Tensor, hidden: int) -> None:
+    """Tied embeddings := the target's embeddings projected on their top `hidden` principal axes."""
+    e = target_embed.float()
+    mean = e.mean(0, keepdim=True)
+    _, _, v = torch.linalg.svd(e - mean, full_matrices=False)  # v: (576, 576)
+    proj = (e - mean) @ v[:hidden].T  # (V, hidden)
+    proj = proj / proj.std() * 0.05
+    model.model.embed_tokens.weight.data.copy_(proj)
+
+
+def load_shards(folder: Path):
+    """Rows of (kind, input_ids (T,), topk_ids (T, K), topk_logp (T, K), loss mask (T,))."""
+    rows = []
+    kinds = {"plain": 0, "chat": 0}
+    for path in sorted(glob.glob(str(folder / "*.pt"))):
+        d = torch.load(path)
+        kind = "chat" if Path(path).name.startswith("chat") else "plain"
+        n, t = d["input_ids"].shape
+        if "mask" in d:
+            masks = d["mask"]
+        else:  # every position predicts the next token, except the last one
+            masks = torch.ones((n, t), dtype=torch.bool)
+            masks[:, -1] = False
+        for i in range(n):
+            rows.append((kind, d["input_ids"][i], d["topk_ids"][i], d["topk_logp"][i], masks[i]))
+            kinds[kind] += 1
+    return rows, kinds
+
+
+def corpus_windows(tok_dir: Path, window: int) -> torch.Tensor:
+    """All training text as (N, window) token windows (cached in cache/corpus-ids.pt)."""
+    path = pd_corpus.CACHE / f"corpus-ids-{window}.pt"
+    if path.is_file():
+        return torch.load(path)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    out = []
+    for _, text in pd_corpus.training_texts():
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        out += [ids[i:i + window] for i in range(0, len(ids) - window + 1, window)]
+    t = torch.tensor(out, dtype=torch.int32)
+    torch.save(t, path)
+    return t
+
+
+def batch_of(rows, pick):
+    ids = torch.stack([rows[i][1] for i in pick]).long()
+    tid = torch.stack([rows[i][2] for i in pick]).long()
+    tlp = torch.stack([rows[i][3] for i in pick]).float()
+    mask = torch.stack([rows[i][4] for i in pick])
+    return ids, tid, tlp, mask
+
+
+def text_loss(logits, ids):
+    """Plain next-token cross-entropy on real text (no target involved)."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+
+
+def loss_fn(logits, tid, tlp, mask, ce_weight: float):
+    logq = torch.log_softmax(logits.float(), dim=-1)  # (B, T, V)
+    p = torch.softmax(tlp, dim=-1)  # (B, T, K) target top-k, renormalised
+    q_on_top = logq.gather(-1, tid)  # (B, T, K)
+    kd = -(p * q_on_top).sum(-1)
+    ce = -q_on_top[..., 0]
+    per = kd + ce_weight * ce
+    m = mask.float()
+    agree = ((logits.argmax(-1) == tid[..., 0]).float() * m).sum() / m.sum()
+    return (per * m).sum() / m.sum(), agree
+
+
+def save(model, out: Path, record: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / (out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    half = model.to(torch.bfloat16)
+    half.save_pretrained(str(tmp), safe_serialization=True)
+    model.to(torch.float32)
+    tdir = bundled.target_dir()
+    for name in TOKENIZER_FILES:
+        if (tdir / name).is_file():
+            shutil.copy(tdir / name, tmp / name)
+    (tmp / "train_record.json").write_text(json.dumps(record, indent=2) + "\n")
+    for f in tmp.iterdir():
+        shutil.copy(f, out / f.name)
+    shutil.rmtree(tmp)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--minutes", type=float, default=40.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--ff", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=60)
+    ap.add_argument("--ce-weight", type=float, default=0.2)
+    ap.add_argument("--chat-weight", type=float, default=2.0, help="sampling weight of a chat row vs a text row")
+    ap.add_argument("--text-share", type=float, default=0.5,
+                    help="share of batches of plain text with next-token cross-entropy (cheap: no target)")
+    ap.add_argument("--save-every", type=float, default=10.0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--teacher", default=str(pd_corpus.CACHE / "teacher"))
+    ap.add_argument("--out", default=str(pd_corpus.REPO_ROOT / "assets" / "models" / bundled.DRAFT_NAME))
+    ap.add_argument("--max-steps", type=int, default=0)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+
+    from transformers import AutoConfig, LlamaForCausalLM
+    from safetensors import safe_open
+
+    tdir = bundled.target_dir()
+    tcfg = AutoConfig.from_pretrained(tdir)
+    cfg = draft_config(tcfg, args.layers, args.hidden, args.heads, args.kv_heads, args.ff)
+    model = LlamaForCausalLM(cfg)
+    with safe_open(str(tdir / "model.safetensors"), "pt") as f:
+        init_from_target(model, f.get_tensor("model.embed_tokens.weight"), args.hidden)
+    model.tie_weights()
+    nparams = sum(p.numel() for p in model.parameters())
+
+    rows, kinds = load_shards(Path(args.teacher))
+    val = [i for i, r in enumerate(rows) if r[0] == "plain"][-8:]  # held back from training
+    train = [i for i in range(len(rows)) if i not in set(val)]
+    weights = [args.chat_weight if rows[i][0] == "chat" else 1.0 for i in train]
+    text = corpus_windows(tdir, int(rows[0][1].shape[0]))
+    print(f"params {nparams} rows {kinds} train {len(train)} val {len(val)} text windows {len(text)}", flush=True)
+
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
+    record = {
+        "architecture": "LlamaForCausalLM", "params": nparams, "layers": args.layers, "hidden": args.hidden,
+        "heads": args.heads, "kv_heads": args.kv_heads, "ff": args.ff, "seed": args.seed,
+        "max_positions_trained": int(rows[0][1].shape[0]), "teacher_rows": kinds,
+        "command": "python " + " ".join(sys.argv), "lr": args.lr, "batch": args.batch,
+        "ce_weight": args.ce_weight, "chat_weight": args.chat_weight, "text_share": args.text_share, "log": [],
+    }
+    start = time.time()
+    last_save = start
+    step, tokens, text_tokens = 0, 0, 0
+    agree = torch.tensor(float("nan"))
+    budget = args.minutes * 60
+    model.train()
+    while True:
+        el = time.time() - start
+        frac = min(1.0, el / budget)
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        if rng.random() < args.text_share:
+            ids = text[rng.sample(range(len(text)), args.batch)].long()
+            mask = torch.ones(ids.shape, dtype=torch.bool)
+            mask[:, -1] = False
+            loss = text_loss(model(input_ids=ids).logits, ids)
+            text_tokens += int(mask.sum())
+        else:
+            pick = rng.choices(train, weights=weights, k=args.batch)
+            ids, tid, tlp, mask = batch_of(rows, pick)
+            loss, agree = loss_fn(model(input_ids=ids).logits, tid, tlp, mask, args.ce_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        tokens += int(mask.sum())
+        done = el >= budget or (args.max_steps and step >= args.max_steps)
+        if step % 25 == 0 or done:
+            model.eval()
+            with torch.no_grad():
+                vids, vtid, vtlp, vmask = batch_of(rows, val)
+                vloss, vagree = loss_fn(model(input_ids=vids).logits, vtid, vtlp, vmask, args.ce_weight)
+            model.train()
+            entry = {"step": step, "minutes": round(el / 60, 2), "tokens": tokens, "text_tokens": text_tokens, "lr": lr,
+                     "loss": round(float(loss), 4), "agree": round(float(agree), 4),
+                     "val_loss": round(float(vloss), 4), "val_agree": round(float(vagree), 4),
+                     "tok_per_s": round(tokens / max(el, 1e-9), 1)}
+            record["log"].append(entry)
+            print(json.dumps(entry), flush=True)
+        if time.time() - last_save > args.save_every * 60 or done:
+            record["train_minutes"] = round((time.time() - start) / 60, 2)
+            record["tokens_seen"] = tokens
+            record["text_tokens_seen"] = text_tokens
+            record["steps"] = step
+            save(model, Path(args.out), record)
+            last_save = time.time()
+            print(f"saved to {args.out}", flush=True)
+        if done:
+            break
+
+
+if __name__ == "__main__":
+    main()
