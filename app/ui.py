@@ -18,6 +18,7 @@ from gradio.components.plot import PlotData
 
 from specextend.config import GenerationConfig, preset
 from visualizers import needle_spec, retrieval_spec
+from visualizers.common import ending, label
 
 from . import documents
 from .backend import EngineFactory, PairCache, Prompt, real_factory
@@ -139,9 +140,7 @@ class Studio:
 
     # --- documents -------------------------------------------------------------------------------
     def pick_sample(self, name: str | None):
-        if not name:
-            return gr.skip(), gr.skip()
-        return documents.sample_text(name), None
+        return documents.sample_text(name) if name else gr.skip()
 
     def upload(self, path: str | None):
         if not path:
@@ -266,7 +265,7 @@ class Studio:
                     download = gr.DownloadButton(value=self._export(runs, decode, export), visible=True)
                 values.append(download)
             lines = [job.status, meter.line()] if not finished else [
-                "Done." if not job.error else "", *(f"{m}: {status}" for m, status in _endings(runs)), meter.line()]
+                "Done." if not job.error else "", *(f"{label(m)}: {ending(ev)}" for m, ev in runs.items()), meter.line()]
             yield (status_html(lines, job.error), *values)
             meter.resumed()
             if finished:
@@ -320,19 +319,12 @@ class Studio:
         yield from self._stream(state.job, draw)
 
 
-def _endings(runs) -> Iterator[tuple[str, str]]:
-    from visualizers.common import stop_reason
-
-    for method, events in runs.items():
-        yield method, stop_reason(events)
-
-
 def build_app(factory: EngineFactory = real_factory, settings: Settings | None = None) -> gr.Blocks:
     """The whole app, wired to `factory`; nothing is loaded until a run asks for it."""
     settings = settings or Settings.from_env()
     studio = Studio(factory, settings)
     k = Knobs()
-    with gr.Blocks(title="SpecExtend Studio") as demo:
+    with gr.Blocks(title="SpecExtend Studio", fill_width=True) as demo:
         state = gr.State(SessionState, delete_callback=SessionState.close)
         gr.Markdown(INTRO)
         with gr.Tabs():
@@ -340,14 +332,19 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
                 with gr.Row(equal_height=False):
                     with gr.Column(scale=1, min_width=340):
                         samples = documents.samples()
-                        sample = gr.Dropdown(label="Sample document", choices=samples, value=None,
-                                             elem_id="sample", info="public-domain texts shipped with the app")
-                        upload = gr.File(label="…or upload a .txt / .md file", file_types=[".txt", ".md"],
-                                         type="filepath", elem_id="upload", height=90)
-                        document = gr.Textbox(label="Document", lines=8, max_lines=12, elem_id="document",
+                        with gr.Row(equal_height=True):
+                            sample = gr.Dropdown(label="Sample document", choices=samples, value=None, scale=3,
+                                                 elem_id="sample", info="public-domain texts shipped with the app")
+                            upload = gr.UploadButton("Upload .txt / .md", file_types=[".txt", ".md"], type="filepath",
+                                                     scale=1, size="sm", elem_id="upload")
+                        document = gr.Textbox(label="Document", lines=6, max_lines=10, elem_id="document",
                                               placeholder="…or paste a long document here")
                         doc_info = gr.HTML(studio.document_info("", settings.pairs[0].key), elem_id="doc-info")
                         task = gr.Textbox(label="Task", value=DEFAULT_TASK, lines=1, elem_id="task")
+                        with gr.Row():
+                            run_btn = gr.Button("Run", variant="primary", elem_id="run")
+                            stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
+                        status = gr.HTML(status_html(["Ready: pick a sample document and press Run."]), elem_id="status")
                         pair = gr.Dropdown(label="Model pair", choices=[(p.label, p.key) for p in settings.pairs],
                                            value=settings.pairs[0].key, elem_id="pair")
                         method = gr.Radio(label="Method", choices=METHOD_CHOICES, value="specextend", elem_id="method")
@@ -370,10 +367,6 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
                             with gr.Row():
                                 temperature = gr.Number(k.temperature, label="temperature (0 = greedy)")
                                 seed = gr.Number(k.seed, label="seed", precision=0)
-                        with gr.Row():
-                            run_btn = gr.Button("Run", variant="primary", elem_id="run")
-                            stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
-                        status = gr.HTML(status_html(["Ready."]), elem_id="status")
                     with gr.Column(scale=2):
                         gr.Markdown("### ① Output\nText the run wrote; the highlighted stretches were guessed by the "
                                     "draft and accepted by the target.")
@@ -388,9 +381,9 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
                         gr.Markdown("### ④ Speed\nSame input, same token limit. Tokens/s counts only tokens up to the limit.")
                         throughput = gr.Plot(show_label=False, elem_id="throughput-plot")
                         readout = gr.HTML(elem_id="readout")
-                        with gr.Accordion("Trace: export this run, or replay one without a model", open=False):
-                            download = gr.DownloadButton("Download the run as a JSON trace", visible=False,
-                                                         elem_id="download")
+                        download = gr.DownloadButton("Download this run as a JSON trace", visible=False, size="sm",
+                                                     elem_id="download")
+                        with gr.Accordion("Replay a trace without loading any model", open=False):
                             with gr.Row():
                                 trace_file = gr.File(label="trace to replay (.json)", file_types=[".json"],
                                                      type="filepath", height=90, elem_id="trace-file")
@@ -419,7 +412,7 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
 
         knobs = [max_new, chunk, top_k, every, shape, chain_k, depth, budget, temperature, seed]
         outputs = [status, output, exact, retrieval, acceptance, throughput, readout, download]
-        sample.change(studio.pick_sample, sample, [document, upload], queue=False)
+        sample.change(studio.pick_sample, sample, document, queue=False)
         upload.upload(studio.upload, upload, [document, doc_info], queue=False)
         document.change(studio.document_info, [document, pair], doc_info, queue=False, trigger_mode="always_last",
                         show_progress="hidden")

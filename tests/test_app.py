@@ -145,7 +145,7 @@ def test_stop_ends_a_run_midway(client):
     stop_status = client.predict(api_name="/stop")
     assert "Stopping" in stop_status
     status = job.result()[0]
-    assert "specextend: stopped" in status and "autoregressive" not in status
+    assert "SpecExtend: stopped" in status and "target alone" not in status
 
 
 def test_two_users_at_once_share_the_queue(server):

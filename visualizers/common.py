@@ -85,6 +85,20 @@ def label(method: str) -> str:
     return METHOD_LABELS.get(method, method)
 
 
+def short_label(method: str) -> str:
+    return {"specextend": "SpecExtend", "autoregressive": "target alone"}.get(method, method)
+
+
+STOP_REASONS = {"max_new_tokens": "reached the token limit", "eos": "finished its answer", "stopped": "stopped",
+                "error": "failed", "running": "running"}
+
+
+def ending(events: Sequence[Event]) -> str:
+    """How a run ended, in words."""
+    reason = stop_reason(events)
+    return STOP_REASONS.get(reason, reason)
+
+
 def color(method: str) -> str:
     return METHOD_COLORS.get(method, "#444444")
 
@@ -103,7 +117,7 @@ def hover_text(text: str, width: int = 64, limit: int = 360) -> str:
         else:
             line = f"{line} {word}" if line else word
     lines.append(line)
-    return "<br>".join(html.escape(x) for x in lines)
+    return "<br>".join(html.escape(x, quote=False) for x in lines)  # Plotly shows &quot; literally
 
 
 def base_layout(height: int, **changes: Any) -> dict[str, Any]:

@@ -51,7 +51,7 @@ def needle_spec(runs: Mapping[str, Sequence[Event]], needle_span: tuple[int, int
         title=title(f"Is the needle (tokens {needle_span[0]}–{needle_span[1]}, {depth:.0%} into the prompt) "
                     "in the draft's cache? green: all of it · red: none"),
         xaxis={"title": {"text": "after step"}, "type": "category"},
-        yaxis={"automargin": True},
+        yaxis={"automargin": True, "autorange": "reversed"},
         margin={"l": 40, "r": 16, "t": 40, "b": 48},
     )
     return {"data": [heat], "layout": layout}

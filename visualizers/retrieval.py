@@ -148,8 +148,8 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
         boundary = prompt_len / max(latest.chunk_size, 1) - 0.5
         shapes.append({"type": "line", "xref": "x", "yref": "paper", "x0": boundary, "x1": boundary, "y0": 0,
                        "y1": 1, "line": {"color": "#52606d", "width": 1, "dash": "dot"}})
-        annotations.append({"text": "output →", "xref": "x", "yref": "paper", "x": boundary, "y": 1.0,
-                            "xanchor": "left", "yanchor": "bottom", "showarrow": False, "font": {"size": 11}})
+        annotations.append({"text": "output starts ▸", "xref": "x", "yref": "paper", "x": boundary, "y": 1.0,
+                            "xanchor": "right", "yanchor": "bottom", "showarrow": False, "font": {"size": 11}})
     if mark is not None:
         name, (a, b) = mark
         size = max(latest.chunk_size, 1)
@@ -162,7 +162,7 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
     if latest.scores:
         best = max(range(n), key=lambda i: latest.scores[i] if i < len(latest.scores) else -1.0)
         s, e = grid[best]
-        snippet = hover_text(decode(sequence[s:e]), width=1000, limit=90)
+        snippet = hover_text(decode(sequence[s:e]), width=1000, limit=60 if height else 90)
         headline = (f"Retrieval after step {latest.step}: {len(kept)} of {n} chunks in the draft's working cache "
                     f"({latest.working_cache_len} tokens)<br><span style='font-size:12px'>the target attends "
                     f"most to chunk {best}: “{snippet}”</span>")

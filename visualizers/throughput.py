@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 from specextend.events import Event
 from specextend.metrics import committed_curve, summarize
 
-from .common import Spec, base_layout, color, label, message_spec, stop_reason, title
+from .common import Spec, base_layout, color, ending, label, message_spec, short_label, title
 
 PHASE_COLORS = {
     "prefill": "#adb5bd",
@@ -54,7 +54,7 @@ def throughput_spec(runs: Mapping[str, Sequence[Event]]) -> Spec:
             "hovertemplate": f"{html.escape(label(method))}: %{{y}} tokens at %{{x:.2f}} s<extra></extra>",
             "legend": "legend", "showlegend": True,
         })
-    names = [label(m) for m in runs]
+    names = [short_label(m) for m in runs]
     breakdowns = [phase_breakdown(ev) for ev in runs.values()]
     for phase, shade in PHASE_COLORS.items():
         data.append({
@@ -91,7 +91,7 @@ def throughput_html(runs: Mapping[str, Sequence[Event]]) -> str:
             speedup = f"{s.e2e_tokens_per_s / summaries[reference].e2e_tokens_per_s:.2f}×"
         rows.append(
             f"<tr><td><span style='color:{color(method)}'>■</span> {html.escape(label(method))}</td>"
-            f"<td>{html.escape(stop_reason(runs[method]))}</td><td>{s.new_tokens}</td><td>{s.total_s:.2f} s</td>"
+            f"<td>{html.escape(ending(runs[method]))}</td><td>{s.new_tokens}</td><td>{s.total_s:.2f} s</td>"
             f"<td><b>{s.e2e_tokens_per_s:.1f}</b></td><td>{s.decode_tokens_per_s:.1f}</td>"
             f"<td>{s.mean_accepted:.2f}</td><td><b>{speedup}</b></td></tr>"
         )

@@ -1,0 +1,144 @@
+"""The app in a real browser: Debian chromium driven by Playwright. Loads the page, picks a sample
+document, runs a short race (SpecExtend, then standard speculative decoding), waits for every panel to
+draw (checked in the DOM), checks the panels against the run's exported trace, and saves screenshots
+under test-output/. Uses the bundled pair when the engine and the bundled draft are present, else the
+fake engine (tests/fixtures/fake_engine.py); the test id says which.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+OUT = Path(__file__).parent.parent / "test-output"
+PLOTS = ("retrieval-plot", "acceptance-plot", "throughput-plot")
+
+pytestmark = pytest.mark.skipif(
+    not CHROMIUM.exists(), reason="Debian chromium is not installed at /usr/bin/chromium (apt-get install -y chromium)"
+)
+
+
+def bundled_pair_missing() -> str:
+    """Why the bundled pair cannot run here ('' when it can)."""
+    try:
+        import specextend.engine  # noqa: F401
+        from specextend.bundled import draft_dir
+    except ImportError as exc:
+        return f"engine not importable ({exc})"
+    try:
+        draft_dir()
+    except FileNotFoundError as exc:
+        return str(exc)
+    return ""
+
+
+ENGINE = "fake" if bundled_pair_missing() else "bundled"
+
+
+@pytest.fixture(scope="module")
+def studio_url():
+    from app import Settings, build_app, launch, real_factory
+
+    if ENGINE == "bundled":
+        factory, max_new = real_factory, 24
+    else:
+        from fixtures.fake_engine import fake_factory
+
+        factory, max_new = fake_factory(step_s=0.03), 48
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    settings = Settings(port=port)
+    demo = build_app(factory, settings)
+    launch(demo, settings, prevent_thread_lock=True, quiet=True)
+    yield f"http://127.0.0.1:{port}/", max_new
+    demo.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+        yield b
+        b.close()
+
+
+def plot_data(page, elem_id: str) -> list[dict]:
+    """The traces Plotly drew in a panel, read from its graph div."""
+    return page.evaluate(
+        "id => (document.querySelector(`#${id} .js-plotly-plot`)?.data || [])"
+        ".map(t => ({type: t.type, name: t.name, x: t.x, y: t.y}))", elem_id)
+
+
+def pick_sample(page) -> None:
+    page.get_by_role("combobox", name="Sample document").click()
+    page.get_by_role("option").first.click()
+    page.wait_for_function("document.querySelector('#document textarea').value.length > 1000")
+
+
+@pytest.mark.parametrize("engine", [ENGINE])
+def test_a_race_draws_every_panel(studio_url, browser, engine):
+    url, max_new = studio_url
+    page = browser.new_page(viewport={"width": 1500, "height": 1100})
+    page.goto(url)
+    page.wait_for_selector("#run")
+    pick_sample(page)
+    page.get_by_role("checkbox", name="the target alone (also checks exactness)").uncheck()
+    page.get_by_text("Knobs").click()
+    page.fill("#max-new input[type=number]", str(max_new))
+    page.press("#max-new input[type=number]", "Tab")
+    page.click("#run")
+    page.wait_for_function("document.querySelector('#status').innerText.includes('Done.')", timeout=900_000)
+    assert "se-bad" not in page.inner_html("#status"), page.inner_text("#status")
+    # every panel drew: plotly graph divs with traces, and the output text
+    page.wait_for_function(
+        f"{list(PLOTS)}.every(id => (document.querySelector(`#${{id}} .js-plotly-plot`)?._fullData || []).length > 0)"
+        " && document.querySelector('#output .se-output')?.innerText.length > 0",
+        timeout=60_000,
+    )
+    with page.expect_download() as download:
+        page.click("#download")
+    trace = json.loads(Path(download.value.path()).read_text())
+    events = trace["runs"]["specextend"]
+    retrieved = [e["step"] for e in events if e["type"] == "Retrieved"]
+    verified = [e["step"] for e in events if e["type"] == "Verified"]
+
+    retrieval = plot_data(page, "retrieval-plot")
+    assert retrieval[1]["type"] == "heatmap" and retrieval[1]["y"] == retrieved  # a row per retrieval that ran
+    acceptance = plot_data(page, "acceptance-plot")
+    assert acceptance[0]["type"] == "heatmap" and acceptance[0]["x"] == verified  # a column per step
+    curves = [t["name"] for t in plot_data(page, "throughput-plot") if t["type"] == "scatter"]
+    assert curves == ["SpecExtend", "speculative (full draft cache)"]
+    assert "speedup" in page.inner_text("#readout")
+
+    OUT.mkdir(exist_ok=True)
+    page.screenshot(path=str(OUT / f"studio-{engine}.png"), full_page=True)
+    page.close()
+
+
+@pytest.mark.parametrize("engine", [ENGINE])
+def test_needle_teaching_tab_draws_both_caches(studio_url, browser, engine):
+    url, _ = studio_url
+    page = browser.new_page(viewport={"width": 1500, "height": 1100})
+    page.goto(url)
+    page.get_by_role("tab", name="Needle in a haystack (teaching)").click()
+    page.click("#needle-run")
+    page.wait_for_function("document.querySelector('#needle-status').innerText.includes('Done.')", timeout=900_000)
+    assert "se-bad" not in page.inner_html("#needle-status"), page.inner_text("#needle-status")
+    page.wait_for_function(
+        "['needle-plot', 'needle-cmr', 'needle-streaming'].every(id => "
+        "(document.querySelector(`#${id} .js-plotly-plot`)?._fullData || []).length > 0)", timeout=60_000)
+    grid = plot_data(page, "needle-plot")[0]
+    assert grid["y"] == ["SpecExtend", "StreamingLLM draft cache"] and len(grid["x"]) > 0
+    assert page.inner_text("#needle-answers").count("\n") >= 2
+    OUT.mkdir(exist_ok=True)
+    page.screenshot(path=str(OUT / f"needle-{engine}.png"), full_page=True)
+    page.close()
