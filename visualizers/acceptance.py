@@ -17,7 +17,7 @@ from specextend.metrics import acceptance_by_position, node_depths
 
 from .common import STATUS_COLORS, Decode, Spec, base_layout, hover_text, message_spec, method_of, of, title
 
-HOVER_STEPS = 300  # hover text is kept for the most recent steps only, so a redraw stays small
+HOVER_STEPS = 200  # hover text is kept for the most recent steps only, so a redraw stays small
 REJECTED, ACCEPTED, BONUS = 1, 2, 3
 CELL_SCALE = [
     [0.0, STATUS_COLORS["rejected"]], [0.33, STATUS_COLORS["rejected"]],

@@ -104,7 +104,7 @@ def color(method: str) -> str:
 
 
 @lru_cache(maxsize=8192)
-def hover_text(text: str, width: int = 64, limit: int = 360) -> str:
+def hover_text(text: str, width: int = 64, limit: int = 280) -> str:
     """Escape text for a Plotly hover label and wrap it into lines of about ``width`` characters."""
     text = " ".join(text.split())
     if len(text) > limit:

@@ -52,11 +52,11 @@ def _runs(ids: Sequence[int]) -> list[tuple[int, int]]:
 
 
 @lru_cache(maxsize=4096)
-def _held_row(r: Retrieved, n: int, width: int) -> tuple[float | None, ...]:
+def _held_row(r: Retrieved, n: int, width: int) -> tuple[int | None, ...]:
     """One heatmap row: 1 for chunks in the working cache, 0 for the others, None past the sequence then."""
     held = set(kept_chunks(r))
     size = len(chunk_grid(r))
-    return tuple(_binned([(1.0 if i in held else 0.0) if i < size else None for i in range(n)], width))
+    return tuple(_binned([(1 if i in held else 0) if i < size else None for i in range(n)], width))
 
 
 def _binned(values: Sequence[float | None], width: int) -> list[float | None]:
