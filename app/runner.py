@@ -145,3 +145,37 @@ def replay(runs: dict[str, list[Event]], speed: float) -> Callable:
             yield event
 
     return generate
+
+
+@dataclass
+class RedrawMeter:
+    """Paces redraws: at most every `redraw_s`, and rarer when a redraw costs more than `share` of the time."""
+
+    redraw_s: float
+    share: float
+    began: float = field(default_factory=time.perf_counter)
+    draws: int = 0
+    draw_s: float = 0.0  # building figures and HTML
+    send_s: float = 0.0  # gradio's processing between our yield and the next resume
+    last_cost: float = 0.0
+    yielded_at: float = 0.0
+    last_send: float = 0.0
+
+    def wait(self) -> float:
+        return max(0.05, max(self.redraw_s, self.last_cost / self.share) - self.last_send)
+
+    def drew(self, seconds: float) -> None:
+        self.draws += 1
+        self.draw_s += seconds
+        self.last_cost = seconds + self.last_send
+        self.yielded_at = time.perf_counter()
+
+    def resumed(self) -> None:
+        self.last_send = time.perf_counter() - self.yielded_at
+        self.send_s += self.last_send
+
+    def line(self) -> str:
+        wall = max(time.perf_counter() - self.began, 1e-9)
+        cost = self.draw_s + self.send_s
+        return (f"panels redrawn {self.draws} times ({self.draws / wall:.1f}/s); drawing took "
+                f"{cost * 1000 / max(self.draws, 1):.0f} ms each, {cost / wall:.1%} of the wall time")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import html
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -24,7 +23,7 @@ from . import documents
 from .backend import EngineFactory, PairCache, Prompt, real_factory
 from .documents import DocumentError
 from .panels import main_view, needle_view, status_html
-from .runner import Job, Knobs, build_config, replay
+from .runner import Job, Knobs, RedrawMeter, build_config, replay
 from .settings import Settings
 from .trace import TraceError, dumps, loads
 
@@ -94,40 +93,6 @@ class SessionState:
     def close(state: SessionState) -> None:
         if state is not None:
             state.stop()
-
-
-@dataclass
-class RedrawMeter:
-    """Paces redraws: at most every `redraw_s`, and rarer when a redraw costs more than `share` of the time."""
-
-    redraw_s: float
-    share: float
-    began: float = field(default_factory=time.perf_counter)
-    draws: int = 0
-    draw_s: float = 0.0  # building figures and HTML
-    send_s: float = 0.0  # gradio's processing between our yield and the next resume
-    last_cost: float = 0.0
-    yielded_at: float = 0.0
-    last_send: float = 0.0
-
-    def wait(self) -> float:
-        return max(0.05, max(self.redraw_s, self.last_cost / self.share) - self.last_send)
-
-    def drew(self, seconds: float) -> None:
-        self.draws += 1
-        self.draw_s += seconds
-        self.last_cost = seconds + self.last_send
-        self.yielded_at = time.perf_counter()
-
-    def resumed(self) -> None:
-        self.last_send = time.perf_counter() - self.yielded_at
-        self.send_s += self.last_send
-
-    def line(self) -> str:
-        wall = max(time.perf_counter() - self.began, 1e-9)
-        cost = self.draw_s + self.send_s
-        return (f"panels redrawn {self.draws} times ({self.draws / wall:.1f}/s); drawing took "
-                f"{cost * 1000 / max(self.draws, 1):.0f} ms each, {cost / wall:.1%} of the wall time")
 
 
 class Studio:
