@@ -174,6 +174,9 @@ class Studio:
         except (TraceError, OSError, UnicodeDecodeError) as exc:
             yield self._idle(f"Cannot replay this file: {exc}")
             return
+        if not codec.table:  # a plain engine trace carries no token text: borrow a loaded tokenizer if any
+            loaded = self.pairs.peek(self.settings.pairs[0])
+            codec = loaded.codec if loaded is not None else codec
         primary = meta.get("primary") if meta.get("primary") in runs else next(iter(runs))
         prompt_ids = next((list(e.prompt_ids) for e in runs[primary] if hasattr(e, "prompt_ids")), [])
 
@@ -379,8 +382,9 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
         outputs = [status, output, exact, retrieval, acceptance, throughput, readout, download]
         sample.change(studio.pick_sample, sample, document, queue=False)
         upload.upload(studio.upload, upload, [document, doc_info], queue=False)
-        document.change(studio.document_info, [document, pair], doc_info, queue=False, trigger_mode="always_last",
-                        show_progress="hidden")
+        for source in (document, pair):
+            source.change(studio.document_info, [document, pair], doc_info, queue=False, trigger_mode="always_last",
+                          show_progress="hidden")
         run_btn.click(studio.run, [state, document, task, pair, method, race, *knobs], outputs, api_name="run",
                       concurrency_limit=settings.concurrency, concurrency_id="generate", show_progress="minimal")
         stop_btn.click(studio.stop, state, status, api_name="stop", queue=False)

@@ -210,3 +210,19 @@ def test_importing_the_app_loads_no_model_and_the_entry_point_goes_offline():
     )
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "GRADIO_ANALYTICS_ENABLED", "SPECEXTEND_HUB")}
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env=env, timeout=120)
+
+
+def test_traces_round_trip_and_plain_engine_traces_replay():
+    from specextend import events as ev
+    from specextend.config import preset
+
+    from app.trace import dumps
+    from fixtures.fake_engine import fake_generate
+
+    runs = {"specextend": list(fake_generate(list(range(5, 400)), preset("specextend", max_new_tokens=20)))}
+    back, codec, meta = loads(dumps(runs, lambda ids: "".join(f"<{i}>" for i in ids), {"primary": "specextend"}))
+    assert back == runs and meta == {"primary": "specextend"} and codec.decode([7, 8]) == "<7><8>"
+    plain, codec, _ = loads(ev.dumps(runs["specextend"]))
+    assert plain == runs and codec.decode([7]) == "⟨7⟩"
+    with pytest.raises(TraceError, match="holds no events"):
+        loads('{"format": "specextend-studio-trace/1", "runs": {}}')

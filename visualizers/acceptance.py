@@ -106,7 +106,7 @@ def _tree_traces(drafted: Drafted, verified: Verified, decode: Decode, axes: dic
         {"type": "scatter", "mode": "markers+text", "x": [0] + depths + [bx], "y": [root_y] + ys + [by],
          "marker": {"size": 9, "color": ["#1f2933"] + node_colors + [STATUS_COLORS["bonus"]]},
          "text": ["root"] + labels + [bonus], "textfont": {"size": 10},
-         "textposition": ["middle left"] + [("top center", "bottom center")[d % 2] for d in depths] + ["top center"],
+         "textposition": ["bottom center"] + [("top center", "bottom center")[d % 2] for d in depths] + ["top center"],
          "hovertext": ["last committed token"] + hovers + [f"bonus “{bonus}” from the target"],
          "hoverinfo": "text", **axes},
     ]
