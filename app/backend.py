@@ -5,6 +5,7 @@ never at import. Tests inject a fake factory with the same shape.
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
@@ -109,9 +110,15 @@ def real_factory(choice: PairChoice, progress: Progress) -> Loaded:
     else:
         target, draft = choice.target, choice.draft
     progress(f"Loading the tokenizer of {choice.label}")
-    tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=False)
-    progress("Loading the target and draft models")
-    pair = load_pair(target, draft)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=False)
+        progress("Loading the target and draft models")
+        pair = load_pair(target, draft)
+    except OSError as exc:
+        if os.environ.get("HF_HUB_OFFLINE") == "1" and not choice.bundled:
+            raise ValueError(f"{choice.label} is not in the local cache and this server is offline "
+                             f"(the operator can set SPECEXTEND_HUB=1 to allow downloads): {exc}") from exc
+        raise
     return Loaded(choice, Codec(tokenizer), partial(generate, pair), pair.max_positions, str(pair.device),
                   str(pair.dtype).replace("torch.", ""))
 
