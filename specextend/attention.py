@@ -96,7 +96,9 @@ def fused_attention_with_lse(
         )  # out (B, T_q, H_q, D), lse (B, H_q, T_q)
         return out.transpose(1, 2), lse.float()
     q = fold_heads(query, kv_heads)  # (B, H_kv, G*T_q, D)
-    if query.is_cuda:
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, key, value, 0.0, False, False, scale=scale)[:2]
+    elif query.is_cuda:
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
             q.contiguous(), key.contiguous(), value.contiguous(), None, True, scale=scale
         )[:2]

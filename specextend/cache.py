@@ -99,6 +99,8 @@ class KVCache(Cache):
 
     def crop(self, max_length: int) -> None:
         """Drop every slot from `max_length` on."""
+        if max_length < 0:
+            raise ValueError(f"crop takes the length to keep (>= 0), got {max_length}")
         for layer in self.layers:
             layer.crop(max_length)
         self.rope_positions = self.rope_positions[:max_length]

@@ -7,7 +7,6 @@ draft, verify, commit and (on schedule) retrieve, until max_new_tokens or EOS. E
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from dataclasses import asdict
@@ -103,7 +102,7 @@ def generate(
     target = Target(pair.target, config, room)
     if config.uses_draft and drafter is None:
         drafter = ModelDrafter(pair.draft, config, make_policy(config.draft_cache, config.retrieval), room)
-    yield Started(clock(), 0.0, config.method, tuple(prompt), json.loads(json.dumps(asdict(config))), pair.target.config.num_hidden_layers,
+    yield Started(clock(), 0.0, config.method, tuple(prompt), asdict(config), pair.target.config.num_hidden_layers,
                   pair.draft.config.num_hidden_layers if drafter is not None and pair.draft is not None else 0,
                   str(pair.device), str(pair.dtype).replace("torch.", ""))
 

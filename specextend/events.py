@@ -28,6 +28,9 @@ class Started:
     device: str
     dtype: str
 
+    def __post_init__(self) -> None:  # the config as JSON gives it back, so a saved trace loads equal
+        object.__setattr__(self, "config", json.loads(json.dumps(self.config)))
+
 
 @dataclass(frozen=True)
 class Prefilling:
