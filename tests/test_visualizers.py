@@ -173,3 +173,20 @@ def test_needle_grid_shows_which_cache_held_the_needle():
 def test_visualizers_import_no_gradio():
     code = "import sys, visualizers; assert 'gradio' not in sys.modules and 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
+
+
+@pytest.mark.skipif(not list(FIXTURES.glob("*.trace.json")), reason="no recorded trace in tests/fixtures")
+def test_panels_on_the_recorded_trace_match_its_events():
+    runs, codec, meta = recorded_traces()[0]
+    events = runs[meta["primary"]]
+    retrievals = [e for e in events if isinstance(e, Retrieved)]
+    verified = [e for e in events if isinstance(e, Verified)]
+    every = events[0].config["retrieval"]["retrieve_every"]
+    assert [r.step for r in retrievals] == [0, *range(every, verified[-1].step + 1, every)]
+    retrieval = retrieval_spec(events, codec.decode)
+    assert retrieval["data"][1]["y"] == [r.step for r in retrievals]
+    assert any("Hamlet" in t or "BERNARDO" in t.upper() for t in retrieval["data"][0]["text"][0])  # chunk text on hover
+    assert acceptance_spec(events, codec.decode)["data"][0]["x"] == [v.step for v in verified]
+    assert [t for _, ids, _ in segments(events) for t in ids] == new_tokens(events)
+    if "autoregressive" in runs:  # recorded greedy in fp32: the race's outputs agree token for token
+        assert "✔ Exact" in exactness_html(new_tokens(events), new_tokens(runs["autoregressive"]), codec.decode)
