@@ -245,14 +245,14 @@ class Studio:
         return str(path)
 
     # --- teaching mode ---------------------------------------------------------------------------
-    def needle(self, state: SessionState, haystack: str, depth: float, seed: float, top_k: float, max_new: float,
-               pair_key: str) -> Iterator[tuple]:
+    def needle(self, state: SessionState, haystack: str, length: float, depth: float, seed: float, top_k: float,
+               max_new: float, pair_key: str) -> Iterator[tuple]:
         state.stop()
         try:
             from specextend import needle
 
             choice = self.settings.pair(pair_key)
-            text = documents.check_text(documents.sample_text(haystack) if haystack else "")
+            text = documents.check_text(documents.sample_text(haystack)[: int(length)] if haystack else "")
             planted = needle.generate(text, float(depth) / 100.0, seed=int(seed or 0))
             knobs = Knobs(max_new_tokens=max_new, top_k=top_k, retrieve_every=1, k=4)
             build_config("specextend", knobs, (), self.settings.max_new_tokens)
@@ -363,9 +363,11 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
                 with gr.Row():
                     n_hay = gr.Dropdown(label="Haystack", choices=samples, value=samples[0][1] if samples else None,
                                         elem_id="needle-haystack")
+                    n_length = gr.Slider(2000, 40000, value=16000, step=1000, elem_id="needle-length",
+                                         label="haystack length (characters; about a quarter as many tokens)")
                     n_depth = gr.Slider(0, 100, value=50, step=1, label="needle depth (% into the document)")
                     n_topk = gr.Number(8, label="working cache (chunks of 32 tokens)", precision=0)
-                    n_new = gr.Number(24, label="max new tokens", precision=0)
+                    n_new = gr.Number(24, label="max new tokens", precision=0, elem_id="needle-max-new")
                     n_seed = gr.Number(0, label="seed (which fact)", precision=0)
                 with gr.Row():
                     n_run = gr.Button("Run CMR and StreamingLLM", variant="primary", elem_id="needle-run")
@@ -388,7 +390,7 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
         run_btn.click(studio.run, [state, document, task, pair, method, race, *knobs], outputs, api_name="run",
                       concurrency_limit=settings.concurrency, concurrency_id="generate", show_progress="minimal")
         stop_btn.click(studio.stop, state, status, api_name="stop", queue=False)
-        n_run.click(studio.needle, [state, n_hay, n_depth, n_seed, n_topk, n_new, pair],
+        n_run.click(studio.needle, [state, n_hay, n_length, n_depth, n_seed, n_topk, n_new, pair],
                     [n_status, n_info, n_grid, n_answers, n_cmr, n_stream], api_name="needle",
                     concurrency_limit=settings.concurrency, concurrency_id="generate", show_progress="minimal")
         n_stop.click(studio.stop, state, n_status, api_name="needle_stop", queue=False)

@@ -227,3 +227,14 @@ def test_traces_round_trip_and_plain_engine_traces_replay():
     assert ev.dumps(plain["specextend"]) == same and codec.decode([7]) == "⟨7⟩"
     with pytest.raises(TraceError, match="holds no events"):
         loads('{"format": "specextend-studio-trace/1", "runs": {}}')
+
+
+def test_needle_tab_runs_cmr_and_streaming_on_a_planted_fact(client):
+    status, info, grid, answers, cmr, streaming = client.predict(
+        "hamlet_opening", 4000, 50, 0, 8, 12, BUNDLED, api_name="/needle")
+    assert "Done." in status and "Needle" in info and "Question" in info
+    heat = json.loads(grid["plot"])["data"][0]
+    assert heat["y"] == ["SpecExtend", "StreamingLLM draft cache"] and len(heat["x"]) >= 2
+    assert "Expected answer" in answers and answers.count("<tr>") == 3
+    for panel in (cmr, streaming):
+        assert any(a["text"].endswith("needle") for a in json.loads(panel["plot"])["layout"]["annotations"])

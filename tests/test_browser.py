@@ -18,6 +18,7 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-f
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 OUT = Path(__file__).parent.parent / "test-output"
 PLOTS = ("retrieval-plot", "acceptance-plot", "throughput-plot")
+DOCUMENT_CHARS = 5000  # about 1,300 tokens: a short prefill on a CPU-only CI machine
 
 pytestmark = pytest.mark.skipif(
     not CHROMIUM.exists(), reason="Debian chromium is not installed at /usr/bin/chromium (apt-get install -y chromium)"
@@ -46,7 +47,7 @@ def studio_url():
     from app import Settings, build_app, launch, real_factory
 
     if ENGINE == "bundled":
-        factory, max_new = real_factory, 24
+        factory, max_new = real_factory, 16
     else:
         from fixtures.fake_engine import fake_factory
 
@@ -78,10 +79,18 @@ def plot_data(page, elem_id: str) -> list[dict]:
         ".map(t => ({type: t.type, name: t.name, x: t.x, y: t.y}))", elem_id)
 
 
-def pick_sample(page) -> None:
+def pick_sample(page, chars: int) -> None:
+    """Pick the first sample document, then keep its first `chars` characters (a short prefill for CI)."""
     page.get_by_role("combobox", name="Sample document").click()
     page.get_by_role("option").first.click()
     page.wait_for_function("document.querySelector('#document textarea').value.length > 1000")
+    text = page.input_value("#document textarea")
+    page.fill("#document textarea", text[:chars])
+
+
+def set_number(page, selector: str, value: int) -> None:
+    page.fill(selector, str(value))
+    page.press(selector, "Tab")
 
 
 @pytest.mark.parametrize("engine", [ENGINE])
@@ -90,11 +99,10 @@ def test_a_race_draws_every_panel(studio_url, browser, engine):
     page = browser.new_page(viewport={"width": 1500, "height": 1100})
     page.goto(url)
     page.wait_for_selector("#run")
-    pick_sample(page)
+    pick_sample(page, DOCUMENT_CHARS)
     page.get_by_role("checkbox", name="the target alone (also checks exactness)").uncheck()
     page.get_by_text("Knobs").click()
-    page.fill("#max-new input[type=number]", str(max_new))
-    page.press("#max-new input[type=number]", "Tab")
+    set_number(page, "#max-new input[type=number]", max_new)
     page.click("#run")
     page.wait_for_function("document.querySelector('#status').innerText.includes('Done.')", timeout=900_000)
     assert "se-bad" not in page.inner_html("#status"), page.inner_text("#status")
@@ -130,6 +138,8 @@ def test_needle_teaching_tab_draws_both_caches(studio_url, browser, engine):
     page = browser.new_page(viewport={"width": 1500, "height": 1100})
     page.goto(url)
     page.get_by_role("tab", name="Needle in a haystack (teaching)").click()
+    set_number(page, "#needle-length input[type=number]", DOCUMENT_CHARS)
+    set_number(page, "#needle-max-new input", 12)
     page.click("#needle-run")
     page.wait_for_function("document.querySelector('#needle-status').innerText.includes('Done.')", timeout=900_000)
     assert "se-bad" not in page.inner_html("#needle-status"), page.inner_text("#needle-status")
