@@ -38,11 +38,11 @@ def run_once(loaded, prompt, config, settings: Settings, draw: bool) -> tuple[fl
     meter = RedrawMeter(settings.redraw_s, settings.redraw_share)
     while draw:
         finished = job.done.wait(meter.wait())
-        began = time.perf_counter()
+        meter.start()
         view = main_view(job.snapshot(), config.method, loaded.codec.decode)
         for spec in (view.retrieval, view.acceptance, view.throughput):
             orjson.dumps(spec)
-        meter.drew(time.perf_counter() - began)
+        meter.drew()
         meter.resumed()
         if finished:
             break

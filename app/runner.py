@@ -149,22 +149,31 @@ def replay(runs: dict[str, list[Event]], speed: float) -> Callable:
 
 @dataclass
 class RedrawMeter:
-    """Paces redraws: at most every `redraw_s`, and rarer when a redraw costs more than `share` of the time."""
+    """Paces redraws: at most every `redraw_s`, and rarer when a redraw costs more than `share` of the time.
+
+    A redraw's cost is the CPU time the drawing thread spent building and serialising the panels, plus
+    the wall time gradio took between our yield and the next resume (sending them).
+    """
 
     redraw_s: float
     share: float
     began: float = field(default_factory=time.perf_counter)
     draws: int = 0
-    draw_s: float = 0.0  # building figures and HTML
+    draw_s: float = 0.0  # CPU seconds building figures and HTML
     send_s: float = 0.0  # gradio's processing between our yield and the next resume
     last_cost: float = 0.0
     yielded_at: float = 0.0
     last_send: float = 0.0
+    _cpu: float = 0.0
 
     def wait(self) -> float:
         return max(0.05, max(self.redraw_s, self.last_cost / self.share) - self.last_send)
 
-    def drew(self, seconds: float) -> None:
+    def start(self) -> None:
+        self._cpu = time.thread_time()
+
+    def drew(self) -> None:
+        seconds = time.thread_time() - self._cpu
         self.draws += 1
         self.draw_s += seconds
         self.last_cost = seconds + self.last_send
@@ -177,5 +186,5 @@ class RedrawMeter:
     def line(self) -> str:
         wall = max(time.perf_counter() - self.began, 1e-9)
         cost = self.draw_s + self.send_s
-        return (f"panels redrawn {self.draws} times ({self.draws / wall:.1f}/s); drawing took "
-                f"{cost * 1000 / max(self.draws, 1):.0f} ms each, {cost / wall:.1%} of the wall time")
+        return (f"panels redrawn {self.draws} times ({self.draws / wall:.1f}/s); each took {self.draw_s * 1000 / max(self.draws, 1):.0f} ms "
+                f"to draw and {self.send_s * 1000 / max(self.draws, 1):.0f} ms to send, {cost / wall:.1%} of the wall time")

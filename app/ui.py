@@ -214,7 +214,7 @@ class Studio:
         sent: list[Any] = []
         while True:
             finished = job.done.wait(meter.wait())
-            began = time.perf_counter()
+            meter.start()
             runs = job.snapshot()
             decode = job.codec.decode if job.codec is not None else (lambda ids: "")
             fresh = [orjson.dumps(v) if isinstance(v, dict) else v for v in draw(job, runs, decode)]
@@ -226,7 +226,7 @@ class Studio:
                 else:
                     sent[i] = value
                     values.append(PlotData(type="plotly", plot=value.decode()) if isinstance(value, bytes) else value)
-            meter.drew(time.perf_counter() - began)
+            meter.drew()
             if export is not None:
                 download = gr.skip()
                 if finished and runs:  # after the run: not counted as drawing cost
@@ -388,7 +388,9 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
             source.change(studio.document_info, [document, pair], doc_info, queue=False, trigger_mode="always_last",
                           show_progress="hidden")
         run_btn.click(studio.run, [state, document, task, pair, method, race, *knobs], outputs, api_name="run",
-                      concurrency_limit=settings.concurrency, concurrency_id="generate", show_progress="minimal")
+                      concurrency_limit=settings.concurrency, concurrency_id="generate", show_progress="minimal",
+                      ).then(studio.document_info, [document, pair], doc_info, queue=False, show_progress="hidden",
+                             api_visibility="private")  # the exact token count, now that the model is loaded
         stop_btn.click(studio.stop, state, status, api_name="stop", queue=False)
         n_run.click(studio.needle, [state, n_hay, n_length, n_depth, n_seed, n_topk, n_new, pair],
                     [n_status, n_info, n_grid, n_answers, n_cmr, n_stream], api_name="needle",

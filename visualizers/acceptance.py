@@ -151,8 +151,8 @@ def acceptance_spec(events: Sequence[Event], decode: Decode) -> Spec:
         "line": {"color": "#1d3557", "width": 2}, "hovertemplate": "mean of last 8 steps: %{y:.2f}<extra></extra>",
     }
     data = [cells, rate_bars, length_bars, length_mean]
-    last = verified[-1]
-    if last.step in trees:
+    last = next((v for v in reversed(verified) if v.step in trees and trees[v.step].tokens), verified[-1])
+    if last.step in trees:  # the latest step that drafted anything (the last step may have had no room)
         data += _tree_traces(trees[last.step], last, decode, {"xaxis": "x4", "yaxis": "y4"})
 
     mean_committed = sum(committed) / len(committed)
