@@ -175,6 +175,7 @@ def main() -> None:
     ap.add_argument("--teacher", default=str(pd_corpus.CACHE / "teacher"))
     ap.add_argument("--out", default=str(pd_corpus.REPO_ROOT / "assets" / "models" / bundled.DRAFT_NAME))
     ap.add_argument("--max-steps", type=int, default=0)
+    ap.add_argument("--init", default=None, help="continue from the weights in this draft folder")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -186,10 +187,14 @@ def main() -> None:
     tdir = bundled.target_dir()
     tcfg = AutoConfig.from_pretrained(tdir)
     cfg = draft_config(tcfg, args.layers, args.hidden, args.heads, args.kv_heads, args.ff)
-    model = LlamaForCausalLM(cfg)
-    with safe_open(str(tdir / "model.safetensors"), "pt") as f:
-        init_from_target(model, f.get_tensor("model.embed_tokens.weight"), args.hidden)
-    model.tie_weights()
+    if args.init:  # continue a previous run (its architecture wins over the flags)
+        model = LlamaForCausalLM.from_pretrained(args.init, dtype=torch.float32)
+        cfg = model.config
+    else:
+        model = LlamaForCausalLM(cfg)
+        with safe_open(str(tdir / "model.safetensors"), "pt") as f:
+            init_from_target(model, f.get_tensor("model.embed_tokens.weight"), args.hidden)
+        model.tie_weights()
     nparams = sum(p.numel() for p in model.parameters())
 
     rows, kinds = load_shards(Path(args.teacher))
@@ -207,7 +212,7 @@ def main() -> None:
         "architecture": "LlamaForCausalLM", "params": nparams, "layers": args.layers, "hidden": args.hidden,
         "heads": args.heads, "kv_heads": args.kv_heads, "ff": args.ff, "seed": args.seed,
         "max_positions_trained": int(rows[0][1].shape[0]), "teacher_rows": kinds,
-        "command": "python " + " ".join(sys.argv), "lr": args.lr, "batch": args.batch,
+        "command": "python " + " ".join(sys.argv), "init": args.init or "target embedding PCA", "lr": args.lr, "batch": args.batch,
         "ce_weight": args.ce_weight, "chat_weight": args.chat_weight, "text_share": args.text_share, "log": [],
     }
     start = time.time()
@@ -246,7 +251,7 @@ def main() -> None:
                 vloss, vagree = loss_fn(model(input_ids=vids).logits, vtid, vtlp, vmask, args.ce_weight)
             model.train()
             entry = {"step": step, "minutes": round(el / 60, 2), "tokens": tokens, "text_tokens": text_tokens, "lr": lr,
-                     "loss": round(float(loss), 4), "agree": round(float(agree), 4),
+                     "loss": round(float(loss.detach()), 4), "agree": round(float(agree), 4),
                      "val_loss": round(float(vloss), 4), "val_agree": round(float(vagree), 4),
                      "tok_per_s": round(tokens / max(el, 1e-9), 1)}
             record["log"].append(entry)
