@@ -1,0 +1,89 @@
+"""The command line: knobs map onto the config, bad values fail with a message, and a run on tiny models
+saved with the bundled tokenizer prints the text and a final JSON line with the promised fields."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from specextend import bundled
+from specextend.cli import build_parser, config_from, fit, main
+
+
+def args(*extra):
+    return build_parser().parse_args(["generate", "--input", "x.txt", *extra])
+
+
+def test_knobs_reach_the_config():
+    config = config_from(args("--method", "streaming", "--k", "3", "--chunk-size", "16", "--working-cache", "256",
+                              "--verify", "hybrid", "--temperature", "0.5", "--top-p", "0.9"), eos=(2,))
+    assert config.method == "streaming" and config.draft.k == 3 and config.retrieval.top_k == 16
+    assert config.attention.verify == "hybrid" and config.attention.prefill == "fused"
+    assert config.temperature == 0.5 and config.top_p == 0.9 and config.eos_token_ids == (2,)
+    assert config_from(args("--no-cmr"), eos=()).draft_cache == "full"
+    assert config_from(args(), eos=()).draft_cache == "cmr"
+
+
+@pytest.mark.parametrize("bad, message", [(["--chunk-size", "0"], "chunk_size"), (["--top-k", "0"], "top_k"),
+                                          (["--k", "0"], "k must"), (["--temperature", "-1"], "temperature"),
+                                          (["--working-cache", "8"], "smaller than one chunk"),
+                                          (["--node-budget", "0"], "node_budget")])
+def test_nonsense_knobs_are_refused(bad, message):
+    with pytest.raises(ValueError, match=message):
+        config_from(args(*bad), eos=())
+
+
+def test_fit_keeps_start_and_end():
+    prompt = list(range(100))
+    out = fit(prompt, 40, keep_head=10)
+    assert len(out) == 40 and out[:10] == prompt[:10] and out[10:] == prompt[-30:]
+    assert fit(prompt, 200) == prompt
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    tokenizer = AutoTokenizer.from_pretrained(bundled.target_dir())
+    dirs = []
+    for seed, layers in ((1, 2), (2, 1)):
+        torch.manual_seed(seed)
+        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                             tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
+        path = tmp_path_factory.mktemp(f"model{seed}")
+        LlamaForCausalLM(config).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        dirs.append(path)
+    return dirs
+
+
+def test_generate_prints_text_then_json(tiny_dirs, tmp_path, capsys):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("A long time ago the river flooded the valley. " * 40)
+    trace = tmp_path / "trace.json"
+    code = main(["generate", "--input", str(doc), "--method", "specextend", "--target", str(tiny_dirs[0]),
+                 "--draft", str(tiny_dirs[1]), "--max-new-tokens", "12", "--chunk-size", "16", "--top-k", "4",
+                 "--trace", str(trace)])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert code == 0
+    result = json.loads(lines[-1])
+    for key in ("method", "token_ids", "text", "decode_tokens_per_s", "e2e_tokens_per_s", "mean_accepted", "phase_seconds"):
+        assert key in result
+    assert result["method"] == "specextend" and 1 <= len(result["token_ids"]) <= 12
+    assert json.loads(trace.read_text())[0]["type"] == "Started"
+
+
+def test_errors_are_messages_not_tracebacks(tiny_dirs, tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("   ")
+    assert main(["generate", "--input", str(empty), "--target", str(tiny_dirs[0]), "--draft", str(tiny_dirs[1])]) == 2
+    assert "empty" in capsys.readouterr().err
+    long = tmp_path / "long.txt"
+    long.write_text("word " * 3000)
+    assert main(["generate", "--input", str(long), "--target", str(tiny_dirs[0]), "--draft", str(tiny_dirs[1]),
+                 "--max-new-tokens", "100"]) == 2
+    assert "exceeds the target's limit of 2048" in capsys.readouterr().err
+    assert main(["generate", "--input", str(long), "--target", str(tiny_dirs[0]), "--draft", str(tiny_dirs[1]),
+                 "--max-new-tokens", "4", "--truncate"]) == 0
