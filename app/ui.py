@@ -113,7 +113,7 @@ class Studio:
         try:
             text = documents.read_upload(path, self.settings.max_upload_bytes)
         except DocumentError as exc:
-            return gr.skip(), f"<div class='se-bad'>{exc}</div>"
+            return gr.skip(), f"<div class='se-bad'>{html.escape(str(exc))}</div>"
         return text, gr.skip()
 
     def document_info(self, text: str, pair_key: str) -> str:
@@ -122,7 +122,7 @@ class Studio:
         try:
             loaded = self.pairs.peek(self.settings.pair(pair_key))
         except ValueError as exc:
-            return f"<div class='se-bad'>{exc}</div>"
+            return f"<div class='se-bad'>{html.escape(str(exc))}</div>"
         if loaded is None:
             return (f"<div class='se-muted'>{len(text):,} characters, about {len(text) // 4:,} tokens (estimated; the "
                     "exact count and the model's limit show once the model is loaded).</div>")

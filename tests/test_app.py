@@ -238,3 +238,14 @@ def test_needle_tab_runs_cmr_and_streaming_on_a_planted_fact(client):
     assert "Expected answer" in answers and answers.count("<tr>") == 3
     for panel in (cmr, streaming):
         assert any(a["text"].endswith("needle") for a in json.loads(panel["plot"])["layout"]["annotations"])
+
+
+def test_messages_escape_what_the_user_controls(tmp_path):
+    from app.ui import Studio
+
+    studio = Studio(fake_factory(), Settings())
+    path = tmp_path / "<img src=x onerror=alert(1)>.txt"
+    path.write_bytes(b"\xff\xfe bad")
+    _, info = studio.upload(str(path))
+    assert "<img" not in info and "&lt;img" in info
+    assert "<script>" not in studio.document_info("text", "<script>alert(1)</script>")
