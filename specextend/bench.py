@@ -1,0 +1,634 @@
+"""Benchmark: `python -m specextend.bench [--quick] [--out results/]`.
+
+Measures the engine against its baselines on the bundled pair (or, with --quick, a check of the whole
+pipeline in seconds: a tiny random-init target with a copy of itself as the draft, the bundled draft's
+tokenizer, short inputs):
+
+- the grid: every method and SpecExtend ablation, plus transformers' own assisted generation on the same
+  pair, on bundled eval documents cut to several input lengths with a summarization instruction; a
+  warm-up, methods alternated on the same input, repeats, medians with min/max. Greedy outputs are
+  compared across methods on every input; a mismatch stops the run (`GreedyMismatch`).
+- needle retrieval (the paper's Table 1): the draft alone answering a planted question from its full
+  cache, a StreamingLLM cache, or CMR's working cache chosen once by the target's final-layer attention.
+- a sweep of the retrieval parameters (the paper's Table 5): working cache, chunk size, top-k, frequency.
+
+Every engine number comes from the engine's own events (metrics.summarize); assisted generation is timed
+by a streamer. Tokenization goes through the CLI's helpers. Shows a progress bar on stderr, prints a table
+and, as its last line, one JSON object; writes JSON, CSV and Plotly figures (HTML; PNG when kaleido is
+installed) to the results folder. Plotly and tokenizers are imported only where they are used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from . import bundled, needle
+from .cli import DEFAULT_INSTRUCTION, encode_document, eos_ids, fit
+from .config import AttentionConfig, DraftConfig, GenerationConfig, RetrievalConfig, preset
+from .drafting import DraftTree, ModelDrafter
+from .engine import Target, generate
+from .events import Finished, Retrieved
+from .kernel_bench import llama
+from .metrics import PHASES, summarize
+from .models import ModelPair, load_pair, make_pair
+from .retrieval import make_policy
+
+ASSISTED = "hf_assisted"  # transformers' generate(..., assistant_model=draft): the outside reference
+METHODS = ("autoregressive", "speculative", "streaming", "specextend", "cmr_only", "fused_prefill_only", "hta_only",
+           ASSISTED)
+BASELINES = ("autoregressive", "speculative", ASSISTED)
+POLICIES = ("full", "streaming", "cmr")  # the draft-cache policies the needle test compares
+NEEDLE_HINT = "Answer with the value only."
+QUICK_SHAPE = (2, 64, 4, 2, 128)  # --quick target: layers, hidden, heads, KV heads, MLP width
+QUICK = dict(lengths="160,336", docs=1, repeats=1, max_new_tokens=8, needles=2, needle_tokens=240,
+             needle_depths="0.3,0.7", retrieval=RetrievalConfig(chunk_size=16, top_k=8, retrieve_every=2,
+                                                                      prefill_window=64))
+
+
+class GreedyMismatch(RuntimeError):
+    """Two methods produced different greedy outputs on the same input."""
+
+
+# ---------------------------------------------------------------- methods and inputs
+
+
+def method_configs(base: dict, prefill: str) -> dict[str, GenerationConfig | None]:
+    """name -> engine config (None: transformers' assisted generation). `prefill` is the baselines' prefill
+    kernel: 'fused' (SDPA, what transformers does by default) or 'eager' (the paper's baseline)."""
+    speculative = preset("speculative", attention=AttentionConfig(prefill, "masked"), **base)
+    return {
+        "autoregressive": preset("autoregressive", attention=AttentionConfig(prefill, "hybrid"), **base),
+        "speculative": speculative,
+        "streaming": preset("streaming", attention=AttentionConfig(prefill, "masked"), **base),
+        "specextend": preset("specextend", **base),
+        "cmr_only": speculative.replace(cmr=True),
+        "fused_prefill_only": speculative.replace(attention=AttentionConfig("fused", "masked")),
+        "hta_only": speculative.replace(attention=AttentionConfig(prefill, "hybrid")),
+        ASSISTED: None,
+    }
+
+
+def aliases(configs: dict[str, GenerationConfig | None]) -> dict[str, str]:
+    """Methods whose config equals an earlier one's (fused_prefill_only is speculative under --prefill fused)."""
+    seen: dict[GenerationConfig, str] = {}
+    out = {}
+    for name, config in configs.items():
+        if config is not None and config in seen:
+            out[name] = seen[config]
+        elif config is not None:
+            seen[config] = name
+    return out
+
+
+def cut_text(tokenizer, text: str, tokens: int) -> str:
+    """The first `tokens` target tokens of `text`, as text."""
+    return tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"][: max(tokens, 1)])
+
+
+def make_prompt(tokenizer, text: str, length: int, instruction: str) -> list[int]:
+    """A chat prompt of about `length` tokens: the document's start, then the instruction (at most `length`)."""
+    overhead = len(encode_document(tokenizer, "", instruction, raw=False))
+    return fit(encode_document(tokenizer, cut_text(tokenizer, text, length - overhead), instruction, raw=False), length)
+
+
+def make_inputs(tokenizer, lengths: list[int], n_docs: int, instruction: str) -> list[dict]:
+    """The `n_docs` longest eval documents, each cut to every length (the same documents at every length)."""
+    docs = sorted(bundled.documents("eval"), key=lambda d: -d.tokens)[:n_docs]
+    return [{"length": length, "document": d.name, "prompt": make_prompt(tokenizer, d.text(), length, instruction)}
+            for length in lengths for d in docs]
+
+
+# ---------------------------------------------------------------- one run
+
+
+class _StepClock:
+    """A transformers streamer that notes when each batch of tokens arrives (the first is the prompt)."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[float, int]] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.marks.append((time.perf_counter(), int(value.numel())))
+
+    def end(self) -> None:
+        pass
+
+
+def run_assisted(pair: ModelPair, prompt: list[int], config: GenerationConfig) -> dict:
+    """transformers' assisted generation, greedy, with its default draft settings (restored after each call)."""
+    ids = torch.tensor([prompt], device=pair.device)
+    clock = _StepClock()
+    saved = copy.deepcopy(pair.draft.generation_config)  # its confidence threshold adapts and persists otherwise
+    eos = list(config.eos_token_ids) or None
+    start = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            out = pair.target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=pair.draft,
+                                       do_sample=False, max_new_tokens=config.max_new_tokens, eos_token_id=eos,
+                                       pad_token_id=eos[0] if eos else None, streamer=clock)
+    finally:
+        pair.draft.generation_config = saved
+    new = out[0, len(prompt):].tolist()
+    steps = clock.marks[1:]  # one batch per verification step
+    (first_t, first_n), (last_t, _) = steps[0], steps[-1]
+    decode_s = last_t - first_t
+    return {"token_ids": new, "decode_tokens_per_s": (len(new) - first_n) / decode_s if decode_s > 0 else 0.0,
+            "e2e_tokens_per_s": len(new) / (last_t - start), "mean_accepted": len(new) / len(steps),
+            "acceptance_by_position": None, "phase_seconds": None, "cmr_overhead_share": None, "steps": len(steps),
+            "retrievals": None, "stop_reason": "eos" if eos and new[-1] in eos else "max_new_tokens"}
+
+
+def run_engine(pair: ModelPair, prompt: list[int], config: GenerationConfig) -> dict:
+    trace = list(generate(pair, prompt, config))
+    finished = trace[-1]
+    assert isinstance(finished, Finished)
+    s = summarize(trace)
+    return {"token_ids": list(finished.token_ids), "decode_tokens_per_s": s.decode_tokens_per_s,
+            "e2e_tokens_per_s": s.e2e_tokens_per_s, "mean_accepted": s.mean_accepted if s.steps else None,
+            "acceptance_by_position": list(s.acceptance_by_position), "phase_seconds": s.phase_seconds,
+            "cmr_overhead_share": s.cmr_overhead_share, "steps": s.steps,
+            "retrievals": sum(isinstance(e, Retrieved) for e in trace), "stop_reason": s.stop_reason}
+
+
+def run_method(pair: ModelPair, prompt: list[int], config: GenerationConfig | None, max_new_tokens: int,
+               eos: tuple[int, ...]) -> dict:
+    if config is None:
+        return run_assisted(pair, prompt, GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos))
+    return run_engine(pair, prompt, config)
+
+
+def check_same(reference: tuple[str, list[int]], name: str, ids: list[int], where: str) -> None:
+    """Raise GreedyMismatch naming both methods and the first differing position."""
+    ref_name, ref = reference
+    if ids == ref:
+        return
+    pos = next((i for i, (a, b) in enumerate(zip(ref, ids)) if a != b), min(len(ref), len(ids)))
+    show = lambda seq: seq[pos] if pos < len(seq) else "end"  # noqa: E731
+    raise GreedyMismatch(f"{where}: the greedy output of {name!r} differs from {ref_name!r} at new token {pos} "
+                         f"({name}: {show(ids)}, {ref_name}: {show(ref)}); outputs must be identical")
+
+
+# ---------------------------------------------------------------- folds
+
+
+def spread(values: list) -> dict | None:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def cells(runs: list[dict], names: list[str], same_as: dict[str, str]) -> list[dict]:
+    """One row per (length, method): medians with min/max over documents and repeats; speedups paired by run."""
+    by_key = {(r["length"], r["document"], r["repeat"], r["method"]): r for r in runs}
+    rows = []
+    for length in sorted({r["length"] for r in runs}):
+        for name in names:
+            mine = [r for r in runs if r["length"] == length and r["method"] == same_as.get(name, name)]
+            if not mine:
+                continue
+            row = {"length": length, "method": name, "same_as": same_as.get(name),
+                   "prompt_tokens": statistics.median(r["prompt_tokens"] for r in mine),
+                   "new_tokens": statistics.median(len(r["token_ids"]) for r in mine)}
+            for field in ("decode_tokens_per_s", "e2e_tokens_per_s", "mean_accepted", "cmr_overhead_share"):
+                row[field] = spread([r[field] for r in mine])
+            for base in BASELINES:
+                for field, label in (("decode_tokens_per_s", "decode"), ("e2e_tokens_per_s", "e2e")):
+                    pairs = [(r, by_key.get((length, r["document"], r["repeat"], same_as.get(base, base)))) for r in mine]
+                    row[f"{label}_speedup_vs_{base}"] = spread([r[field] / b[field] for r, b in pairs if b and b[field]])
+            positions = [r["acceptance_by_position"] for r in mine if r["acceptance_by_position"]]
+            row["acceptance_by_position"] = [statistics.median(p[i] for p in positions if i < len(p))
+                                             for i in range(max(map(len, positions), default=0))]
+            phases = [r["phase_seconds"] for r in mine if r["phase_seconds"]]
+            row["phase_seconds"] = {p: statistics.median(x[p] for x in phases) for p in PHASES} if phases else None
+            rows.append(row)
+    return rows
+
+
+def goals(rows: list[dict]) -> list[dict]:
+    """The issue's goals, checked on the longest and the shortest input length of this run."""
+    at = {(r["length"], r["method"]): r for r in rows}
+    lengths = sorted({r["length"] for r in rows})
+    if not lengths or (lengths[-1], "specextend") not in at:
+        return []
+    longest, shortest = at[(lengths[-1], "specextend")], at.get((lengths[0], "specextend"))
+    out = []
+
+    def goal(text: str, value, target: float) -> None:
+        out.append({"goal": text, "value": value, "target": target, "met": value is not None and value >= target})
+
+    for base in BASELINES:
+        s = longest.get(f"decode_speedup_vs_{base}")
+        goal(f"decode speedup over {base} at {lengths[-1]} tokens", s and s["median"], 2.0)
+    s = shortest and shortest.get("decode_speedup_vs_speculative")
+    goal(f"decode speedup over speculative at {lengths[0]} tokens (no slower)", s and s["median"], 1.0)
+    share = longest["cmr_overhead_share"]
+    out.append({"goal": f"CMR overhead share of decode time at {lengths[-1]} tokens", "value": share and share["median"],
+                "target": 0.02, "met": share is not None and share["median"] <= 0.02})
+    full = at.get((lengths[-1], "speculative"))
+    if full and full["mean_accepted"] and longest["mean_accepted"]:
+        goal(f"mean accepted length with CMR / with the full draft cache at {lengths[-1]} tokens",
+             longest["mean_accepted"]["median"] / full["mean_accepted"]["median"], 1.5)
+    return out
+
+
+# ---------------------------------------------------------------- needle retrieval (Table 1)
+
+
+def target_answer(target: Target, n: int) -> list[int]:
+    """The target's own greedy continuation after its prefill (one token per forward)."""
+    tokens = [int(target.logits[-1].argmax())]
+    while len(tokens) < n:
+        logits = target.verify(tokens[-1], DraftTree.empty())
+        target.commit([])
+        tokens.append(int(logits[-1].argmax()))
+    return tokens
+
+
+def draft_answer(pair: ModelPair, config: GenerationConfig, policy_name: str, prompt: list[int], scores: torch.Tensor,
+                 n: int) -> list[int]:
+    """The draft alone: prefill under the policy, one retrieval (the target's scores for CMR), n greedy tokens."""
+    policy = make_policy(policy_name, config.retrieval)
+    drafter = ModelDrafter(pair.draft, config.replace(draft=DraftConfig(k=n)), policy, len(prompt) + n + 2)
+    for _ in drafter.prefill(prompt, None):
+        pass
+    if policy.name != "full":
+        drafter.rebuild(scores if policy.needs_scores else None)
+    return list(drafter.propose(n, None).tokens)
+
+
+def needle_case(pair: ModelPair, tokenizer, config: GenerationConfig, text: str, depth: float, seed: int,
+                answer_tokens: int) -> dict:
+    planted = needle.generate(text, depth, seed=seed)
+    prompt = encode_document(tokenizer, planted.document, f"{planted.question} {NEEDLE_HINT}", raw=False)
+    target = Target(pair.target, config, len(prompt) + answer_tokens + 2)
+    for _ in target.prefill(prompt, None):
+        pass
+    scores = target.token_scores()  # the final layer's attention row of the last prompt token
+    answers = {"target": target_answer(target, answer_tokens)}
+    for name in POLICIES:
+        answers[name] = draft_answer(pair, config, name, prompt, scores, answer_tokens)
+    texts = {k: tokenizer.decode(v, skip_special_tokens=True) for k, v in answers.items()}
+    return {"depth": depth, "actual_depth": planted.actual_depth, "template": planted.template, "seed": seed,
+            "prompt_tokens": len(prompt), "answer": planted.answer, "answers": texts,
+            "correct": {k: planted.answer.lower() in v.lower() for k, v in texts.items()}}
+
+
+def needle_summary(cases: list[dict]) -> dict:
+    readers = ("target", *POLICIES)
+    accuracy = lambda group, k: sum(c["correct"][k] for c in group) / len(group)  # noqa: E731
+    depths = sorted({c["depth"] for c in cases})
+    return {"needles": len(cases), "accuracy": {k: accuracy(cases, k) for k in readers},
+            "by_depth": {str(d): {k: accuracy([c for c in cases if c["depth"] == d], k) for k in readers} for d in depths}}
+
+
+# ---------------------------------------------------------------- retrieval sweep (Table 5)
+
+
+def sweep_configs(base: RetrievalConfig) -> dict[str, RetrievalConfig]:
+    """One parameter at a time around `base`: working cache (top-k), chunk size at a fixed working cache, frequency."""
+    out = {}
+    for top_k in (base.top_k // 2, base.top_k * 2):
+        if top_k >= 2:
+            out[f"working cache {base.chunk_size * top_k} (chunk {base.chunk_size}, top-k {top_k})"] = replace(base, top_k=top_k)
+    for chunk in (base.chunk_size // 2, base.chunk_size * 2):
+        top_k = base.working_cache // chunk
+        if chunk >= 1 and top_k >= 2:
+            out[f"chunk {chunk}, top-k {top_k} (working cache {chunk * top_k})"] = replace(base, chunk_size=chunk, top_k=top_k)
+    for every in sorted({1, 2, 4, 8} - {base.retrieve_every}):
+        out[f"retrieve every {every} steps"] = replace(base, retrieve_every=every)
+    return out
+
+
+def sweep_row(setting: str, config: RetrievalConfig, results: list[dict]) -> dict:
+    return {"setting": setting, **asdict(config), "working_cache": config.working_cache,
+            **{f: spread([r[f] for r in results]) for f in
+               ("decode_tokens_per_s", "e2e_tokens_per_s", "mean_accepted", "cmr_overhead_share", "retrievals")}}
+
+
+# ---------------------------------------------------------------- output
+
+
+def flat(row: dict, prefix: str = "") -> dict:
+    """A row with nested spreads, dicts and lists flattened for CSV."""
+    out = {}
+    for key, value in row.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flat(value, f"{name}_"))
+        elif isinstance(value, list):
+            out[name] = ";".join(f"{v:.4g}" for v in value)
+        else:
+            out[name] = value
+    return out
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    rows = [flat(r) for r in rows]
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def figures(report: dict) -> dict:
+    """Plotly figures of the report, by file stem."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    rows = [r for r in report["cells"] if not r["same_as"]]
+    names = list(dict.fromkeys(r["method"] for r in rows))
+    figs = {}
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("decode tokens/s", "end-to-end tokens/s"))
+    for name in names:
+        mine = [r for r in rows if r["method"] == name]
+        for col, field in ((1, "decode_tokens_per_s"), (2, "e2e_tokens_per_s")):
+            med = [r[field]["median"] for r in mine]
+            fig.add_trace(go.Scatter(
+                x=[r["length"] for r in mine], y=med, name=name, legendgroup=name, showlegend=col == 1,
+                error_y=dict(type="data", symmetric=False, array=[r[field]["max"] - m for r, m in zip(mine, med)],
+                             arrayminus=[m - r[field]["min"] for r, m in zip(mine, med)])), row=1, col=col)
+    fig.update_xaxes(title_text="input tokens", type="log")
+    figs["throughput"] = fig.update_layout(title="Throughput by input length (median, min-max)")
+    fig = go.Figure()
+    for name in names:
+        mine = [r for r in rows if r["method"] == name and r["decode_speedup_vs_speculative"]]
+        fig.add_bar(x=[str(r["length"]) for r in mine], y=[r["decode_speedup_vs_speculative"]["median"] for r in mine],
+                    name=name)
+    figs["speedup"] = fig.update_layout(title="Decode speedup over standard speculative decoding", barmode="group",
+                                        xaxis_title="input tokens", yaxis_title="x speculative")
+    longest = max((r["length"] for r in rows), default=0)
+    at_longest = [r for r in rows if r["length"] == longest]
+    fig = go.Figure()
+    for r in at_longest:
+        if r["acceptance_by_position"]:
+            fig.add_scatter(x=list(range(1, len(r["acceptance_by_position"]) + 1)), y=r["acceptance_by_position"],
+                            name=r["method"])
+    figs["acceptance"] = fig.update_layout(title=f"Acceptance by draft position at {longest} tokens",
+                                           xaxis_title="draft position", yaxis_title="P(accepted)")
+    fig = go.Figure()
+    for phase in PHASES:
+        timed = [r for r in at_longest if r["phase_seconds"]]
+        fig.add_bar(x=[r["method"] for r in timed], y=[r["phase_seconds"][phase] for r in timed], name=phase)
+    figs["phases"] = fig.update_layout(title=f"Time per phase at {longest} tokens (median s)", barmode="stack")
+    if report.get("needle"):
+        by_depth = report["needle"]["summary"]["by_depth"]
+        fig = go.Figure()
+        for reader in ("target", *POLICIES):
+            fig.add_bar(x=list(by_depth), y=[by_depth[d][reader] for d in by_depth], name=reader)
+        figs["needle"] = fig.update_layout(title="Needle retrieval accuracy by depth (the draft alone per cache; "
+                                           "the target for reference)", barmode="group", xaxis_title="needle depth")
+    if report.get("sweep"):
+        sweep = report["sweep"]
+        fig = make_subplots(rows=1, cols=2, subplot_titles=("decode tokens/s", "mean accepted length"))
+        fig.add_bar(x=[s["setting"] for s in sweep], y=[s["decode_tokens_per_s"]["median"] for s in sweep], row=1, col=1)
+        fig.add_bar(x=[s["setting"] for s in sweep], y=[s["mean_accepted"]["median"] for s in sweep], row=1, col=2)
+        figs["sweep"] = fig.update_layout(title=f"SpecExtend retrieval settings at {report['sweep_input']}",
+                                          showlegend=False)
+    return figs
+
+
+def write_outputs(report: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(report["cells"], out / "bench.csv")
+    if report.get("sweep"):
+        write_csv(report["sweep"], out / "sweep.csv")
+    png = importlib.util.find_spec("kaleido") is not None
+    files = ["bench.json", "bench.csv"] + (["sweep.csv"] if report.get("sweep") else [])
+    for stem, fig in figures(report).items():
+        fig.write_html(out / f"{stem}.html", include_plotlyjs="cdn")
+        files.append(f"{stem}.html")
+        if png:
+            fig.write_image(out / f"{stem}.png")
+            files.append(f"{stem}.png")
+    report["files"] = files
+    report["png"] = "written" if png else "skipped: kaleido is not installed (pip install kaleido to get PNG figures)"
+    (out / "bench.json").write_text(json.dumps(report, indent=1))
+
+
+def table(report: dict) -> str:
+    fmt = lambda s, p=1: "-" if not s else f"{s['median']:.{p}f} [{s['min']:.{p}f}-{s['max']:.{p}f}]"  # noqa: E731
+    ratio = lambda s: "-" if not s else f"{s['median']:.2f}x"  # noqa: E731
+    lines = [f"{'tokens':>6} {'method':<31} {'decode tok/s':>20} {'e2e tok/s':>18} {'xAR':>6} {'xspec':>6} "
+             f"{'xHF':>6} {'accepted':>17} {'CMR share':>9}"]
+    for r in report["cells"]:
+        share = r["cmr_overhead_share"]
+        name = r["method"] + (f" (={r['same_as']})" if r["same_as"] else "")
+        lines.append(f"{r['prompt_tokens']:>6.0f} {name:<31} {fmt(r['decode_tokens_per_s']):>20} "
+                     f"{fmt(r['e2e_tokens_per_s']):>18} {ratio(r['decode_speedup_vs_autoregressive']):>6} "
+                     f"{ratio(r['decode_speedup_vs_speculative']):>6} {ratio(r[f'decode_speedup_vs_{ASSISTED}']):>6} "
+                     f"{fmt(r['mean_accepted'], 2):>17} {'-' if not share else format(share['median'], '.1%'):>9}")
+    if report.get("needle"):
+        acc = report["needle"]["summary"]["accuracy"]
+        lines.append(f"needle ({report['needle']['summary']['needles']} needles, "
+                     f"~{report['needle']['haystack_tokens']} tokens): "
+                     + ", ".join(f"{k} {v:.0%}" for k, v in acc.items()))
+    for s in report.get("sweep") or []:
+        lines.append(f"sweep {s['setting']:<44} decode {fmt(s['decode_tokens_per_s'])} tok/s, "
+                     f"accepted {fmt(s['mean_accepted'], 2)}, CMR share {s['cmr_overhead_share']['median']:.1%}")
+    for g in report["goals"]:
+        value = "-" if g["value"] is None else f"{g['value']:.3g}"
+        lines.append(f"goal: {g['goal']}: {value} (target {g['target']}) {'met' if g['met'] else 'MISSED'}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the run
+
+
+def load(args) -> tuple[ModelPair, object]:
+    """(pair, tokenizer): tiny random-init models with the bundled draft's tokenizer (--quick), or real models."""
+    from transformers import AutoTokenizer
+
+    if args.quick:  # the draft is a copy of the target, so drafts are accepted and every path runs
+        tokenizer = AutoTokenizer.from_pretrained(bundled.draft_dir())
+        target = llama(QUICK_SHAPE, len(tokenizer), torch.float32, "cpu", seed=1, max_positions=4096)
+        return make_pair(target, copy.deepcopy(target)), tokenizer
+    target, draft = args.target, args.draft
+    if target is None or draft is None:
+        bundled_target, bundled_draft = bundled.default_pair()
+        target, draft = target or bundled_target, draft or bundled_draft
+    pair = load_pair(target, draft, args.device, args.dtype)
+    return pair, AutoTokenizer.from_pretrained(str(target))
+
+
+def machine(pair: ModelPair) -> dict:
+    import transformers
+
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "device": str(pair.device),
+            "gpu": torch.cuda.get_device_name(pair.device) if pair.device.type == "cuda" else None,
+            "dtype": str(pair.dtype).replace("torch.", ""), "backend": pair.backend,
+            "load_average_start": os.getloadavg() if hasattr(os, "getloadavg") else None}
+
+
+def run(args, progress) -> dict:
+    pair, tokenizer = load(args)
+    eos = eos_ids(tokenizer, pair.target)
+    retrieval = QUICK["retrieval"] if args.quick else RetrievalConfig()
+    draft = DraftConfig(shape=args.draft_shape, k=args.k)
+    base = dict(max_new_tokens=args.max_new_tokens, eos_token_ids=eos, draft=draft, retrieval=retrieval)
+    configs = method_configs(base, args.prefill)
+    names = [m for m in METHODS if m in args.methods]
+    same_as = {k: v for k, v in aliases(configs).items() if k in names and v in names}
+    measured = [m for m in names if m not in same_as]
+    limit = pair.max_positions - args.max_new_tokens
+    lengths = [min(int(x), limit) for x in args.lengths.split(",")]
+    inputs = make_inputs(tokenizer, lengths, args.docs, args.instruction) if "grid" not in args.skip else []
+    sweeps = sweep_configs(retrieval) if "sweep" not in args.skip and inputs else {}
+    n_needles = args.needles if "needle" not in args.skip else 0
+    report = {"machine": machine(pair), "args": {k: sorted(v) if isinstance(v, set) else v for k, v in vars(args).items()},
+              "methods": names, "retrieval": asdict(retrieval), "draft": asdict(draft)}
+    bar = progress(total=len(measured) * (1 + len(inputs) * args.repeats) + len(sweeps) * args.repeats + n_needles)
+
+    runs, references = [], {}
+    for name in measured if inputs else ():  # warm-up: every method once on a short input
+        bar.set_description(f"warm-up {name}")
+        run_method(pair, fit(inputs[0]["prompt"], 256), configs[name] and configs[name].replace(max_new_tokens=8), 8, eos)
+        bar.update()
+    for item in inputs:
+        where = f"{item['document']} at {len(item['prompt'])} tokens"
+        for repeat in range(args.repeats):
+            shift = repeat % len(measured)  # alternate the order of methods between repeats
+            for name in measured[shift:] + measured[:shift]:
+                bar.set_description(f"{len(item['prompt'])} tok {item['document'][:16]} {name}")
+                result = run_method(pair, item["prompt"], configs[name], args.max_new_tokens, eos)
+                key = (item["document"], item["length"])
+                if key in references:
+                    check_same(references[key], name, result["token_ids"], where)
+                else:
+                    references[key] = (name, result["token_ids"])
+                runs.append({"method": name, "document": item["document"], "length": item["length"], "repeat": repeat,
+                             "prompt_tokens": len(item["prompt"]), **result})
+                bar.update()
+    report["cells"] = cells(runs, names, same_as)
+    report["goals"] = goals(report["cells"])
+    report["runs"] = runs
+
+    if sweeps:  # retrieval parameters: SpecExtend on the longest first input (its default row comes from the grid)
+        item = max(inputs, key=lambda i: i["length"])
+        key = (item["document"], item["length"])
+        report["sweep_input"] = f"{item['document']}, {len(item['prompt'])} tokens"
+        default = [r for r in runs if r["method"] == "specextend" and (r["document"], r["length"]) == key]
+        label = f"default (chunk {retrieval.chunk_size}, top-k {retrieval.top_k}, every {retrieval.retrieve_every})"
+        sweep = [sweep_row(label, retrieval, default)]
+        for setting, config in sweeps.items():
+            results = []
+            for _ in range(args.repeats):
+                bar.set_description(f"sweep {setting[:30]}")
+                results.append(run_engine(pair, item["prompt"], configs["specextend"].replace(retrieval=config)))
+                check_same(references[key], f"specextend ({setting})", results[-1]["token_ids"], report["sweep_input"])
+                bar.update()
+            sweep.append(sweep_row(setting, config, results))
+        report["sweep"] = [s for s in sweep if s["decode_tokens_per_s"]]
+
+    if n_needles:  # the draft alone answering a needle question, per draft-cache policy
+        docs = bundled.documents("eval")
+        depths = [float(x) for x in args.needle_depths.split(",")]
+        config = preset("specextend", retrieval=retrieval)
+        texts = {d.name: cut_text(tokenizer, d.text(), args.needle_tokens) for d in docs}
+        cases = []
+        for i in range(n_needles):
+            doc = docs[(i // len(depths)) % len(docs)]
+            bar.set_description(f"needle {i + 1}/{n_needles}")
+            cases.append({"document": doc.name, **needle_case(pair, tokenizer, config, texts[doc.name],
+                                                               depths[i % len(depths)], i, args.needle_answer_tokens)})
+            bar.update()
+        report["needle"] = {"haystack_tokens": args.needle_tokens, "answer_tokens": args.needle_answer_tokens,
+                            "summary": needle_summary(cases), "cases": cases}
+    bar.close()
+    report["machine"]["load_average_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return report
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m specextend.bench", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="tiny random-init models, short inputs, few needles: a check of the whole pipeline in seconds "
+                        "(overrides the size arguments below)")
+    p.add_argument("--out", default="results", help="results folder")
+    p.add_argument("--target", help="target model (default: bundled)")
+    p.add_argument("--draft", help="draft model (default: bundled)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma list, from: " + ", ".join(METHODS))
+    p.add_argument("--lengths", default="1024,2048,4096,7168", help="input lengths in target tokens")
+    p.add_argument("--docs", type=int, default=3, help="eval documents per length")
+    p.add_argument("--repeats", type=int, default=2, help="runs of every method on every input")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--instruction", default=DEFAULT_INSTRUCTION)
+    p.add_argument("--prefill", choices=("fused", "eager"), default="fused",
+                   help="the baselines' prefill kernel: fused (SDPA, transformers' default) or eager (the paper's)")
+    p.add_argument("--draft-shape", choices=("chain", "tree"), default=DraftConfig().shape)
+    p.add_argument("--k", type=int, default=DraftConfig().k, help="chain: draft tokens per step")
+    p.add_argument("--needles", type=int, default=50, help="needle questions (depths cycle, documents rotate)")
+    p.add_argument("--needle-tokens", type=int, default=4096, help="haystack length in target tokens")
+    p.add_argument("--needle-depths", default="0.1,0.3,0.5,0.7,0.9")
+    p.add_argument("--needle-answer-tokens", type=int, default=16, help="greedy tokens each reader answers with")
+    p.add_argument("--skip", default="", help="comma list of sections to skip: grid, sweep, needle")
+    return p
+
+
+def parse(argv=None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        for key, value in QUICK.items():
+            if key != "retrieval":
+                setattr(args, key, value)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = set(args.methods) - set(METHODS)
+    if unknown:
+        raise ValueError(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
+    args.skip = set(filter(None, args.skip.split(",")))
+    if args.repeats < 1 or args.docs < 1 or args.needles < 0:
+        raise ValueError("--repeats and --docs must be at least 1, --needles at least 0")
+    return args
+
+
+def main(argv=None) -> int:
+    from tqdm import tqdm
+    from transformers.utils import logging as hf_logging
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # transformers' generation-flag warnings would bury the table
+    try:
+        args = parse(argv)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        start = time.perf_counter()
+        report = run(args, lambda total: tqdm(total=total, file=sys.stderr, dynamic_ncols=True))
+        report["wall_s"] = time.perf_counter() - start
+        write_outputs(report, Path(args.out))
+    except GreedyMismatch as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 3
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    print(table(report))
+    print(json.dumps({k: v for k, v in report.items() if k != "runs" and k != "needle"}
+                     | {"needle": report.get("needle") and report["needle"]["summary"], "out": str(args.out)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,85 @@
+"""The benchmark end to end in --quick mode (tiny random-init models, the bundled draft's tokenizer): it writes
+its table, JSON, CSV and figures, covers every method with the required fields, and stops on a greedy mismatch."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+
+import pytest
+
+from specextend import bench
+from specextend.engine import generate
+from specextend.events import Finished
+
+CELL_FIELDS = ("length", "method", "prompt_tokens", "new_tokens", "decode_tokens_per_s", "e2e_tokens_per_s",
+               "decode_speedup_vs_autoregressive", "decode_speedup_vs_speculative", "decode_speedup_vs_hf_assisted",
+               "e2e_speedup_vs_autoregressive", "mean_accepted", "acceptance_by_position", "phase_seconds",
+               "cmr_overhead_share")
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        rc = bench.main(["--quick", "--out", str(out)])
+    return rc, stdout.getvalue().splitlines(), out
+
+
+def test_quick_run_writes_table_json_csv_and_figures(quick):
+    rc, lines, out = quick
+    assert rc == 0
+    assert lines[0].split()[:3] == ["tokens", "method", "decode"]
+    summary = json.loads(lines[-1])  # the last line is one JSON object
+    report = json.loads((out / "bench.json").read_text())
+    assert summary["cells"] == report["cells"]
+    for name in ("bench.csv", "sweep.csv", "throughput.html", "speedup.html", "acceptance.html", "phases.html",
+                 "needle.html", "sweep.html"):
+        assert (out / name).stat().st_size > 0, name
+        assert name in report["files"]
+    assert report["png"] == "written" or report["png"].startswith("skipped")
+    header = (out / "bench.csv").read_text().splitlines()[0].split(",")
+    assert {"method", "decode_tokens_per_s_median", "decode_tokens_per_s_min", "decode_tokens_per_s_max",
+            "decode_speedup_vs_speculative_median", "phase_seconds_verification"} <= set(header)
+
+
+def test_quick_run_covers_every_method_with_the_required_fields(quick):
+    _, _, out = quick
+    report = json.loads((out / "bench.json").read_text())
+    lengths = {c["length"] for c in report["cells"]}
+    assert len(lengths) == 2
+    for length in lengths:
+        assert {c["method"] for c in report["cells"] if c["length"] == length} == set(bench.METHODS)
+    for cell in report["cells"]:
+        assert set(CELL_FIELDS) <= set(cell), cell["method"]
+        assert cell["decode_tokens_per_s"]["median"] > 0
+        assert cell["decode_tokens_per_s"]["min"] <= cell["decode_tokens_per_s"]["median"] <= cell["decode_tokens_per_s"]["max"]
+        if cell["method"] != bench.ASSISTED:
+            assert set(cell["phase_seconds"]) == {"target_prefill", "draft_prefill", "drafting", "verification", "retrieval"}
+    by = {(c["length"], c["method"]): c for c in report["cells"]}
+    for length in lengths:
+        assert by[(length, "speculative")]["decode_speedup_vs_speculative"]["median"] == pytest.approx(1.0)
+        assert by[(length, "fused_prefill_only")]["same_as"] == "speculative"  # --prefill fused: same config
+        assert by[(length, "specextend")]["cmr_overhead_share"]["median"] > 0
+    assert report["needle"]["summary"]["needles"] == 2
+    assert set(report["needle"]["summary"]["accuracy"]) == {"target", "full", "streaming", "cmr"}
+    assert report["sweep"][0]["setting"].startswith("default") and len(report["sweep"]) > 4
+    assert report["goals"]
+
+
+def test_planted_greedy_mismatch_stops_the_run(tmp_path, monkeypatch, capsys):
+    def corrupted(pair, prompt, config, **kw):
+        for event in generate(pair, prompt, config, **kw):
+            if isinstance(event, Finished) and config.method == "streaming":
+                event = dataclasses.replace(event, token_ids=event.token_ids[:2] + (event.token_ids[2] + 1,))
+            yield event
+
+    monkeypatch.setattr(bench, "generate", corrupted)
+    rc = bench.main(["--quick", "--out", str(tmp_path), "--methods", "autoregressive,streaming", "--skip", "sweep,needle"])
+    err = capsys.readouterr().err
+    assert rc == 3
+    assert "'streaming'" in err and "'autoregressive'" in err and "at new token 2" in err
+    assert not (tmp_path / "bench.json").exists()
