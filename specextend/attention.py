@@ -30,6 +30,11 @@ IMPLEMENTATION = "specextend"
 FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 
 
+def use_flash_attn(x: torch.Tensor) -> bool:
+    """flash-attn runs on CUDA in half precision only."""
+    return FLASH_ATTN and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+
+
 @dataclass
 class QueryCapture:
     """Holds the queries of one layer from the latest forward: (B, H_q, T_q, D)."""
@@ -87,7 +92,7 @@ def fused_attention_with_lse(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Unmasked attention of every query over every key through a fused kernel: (output, LSE (B,H_q,T_q))."""
     q_heads, kv_heads = query.shape[1], key.shape[1]
-    if query.is_cuda and FLASH_ATTN:
+    if use_flash_attn(query):
         from flash_attn import flash_attn_func
 
         out, lse, _ = flash_attn_func(
@@ -161,7 +166,7 @@ def prefill_attention(
     if kernel == "eager":
         mask = causal_window_mask(q_len, start, key_len, past, window, query.device)
         return math_attention(query, key, value, mask, scale)[0]
-    if query.is_cuda and FLASH_ATTN:
+    if use_flash_attn(query):
         from flash_attn import flash_attn_func
 
         out = flash_attn_func(

@@ -112,7 +112,7 @@ def make_pair(target: PreTrainedModel, draft: PreTrainedModel | None, load_s: fl
         prepare(draft)
         check_vocab(target, draft)
     param = next(target.parameters())
-    backend = "flash-attn" if param.is_cuda and attention.FLASH_ATTN else "sdpa"
+    backend = "flash-attn" if attention.use_flash_attn(param) else "sdpa"
     return ModelPair(target, draft, param.device, param.dtype, backend, load_s)
 
 
