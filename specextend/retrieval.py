@@ -97,17 +97,19 @@ class DraftCachePolicy:
 
 
 class StreamingPolicy(DraftCachePolicy):
-    """StreamingLLM: a few sink tokens plus the most recent window, within the working-cache budget."""
+    """StreamingLLM: a few sink tokens plus the most recent window, within the working-cache budget.
+    Evicts a chunk at a time: rebuilt once the working cache exceeds the budget by a chunk."""
 
     name = "streaming"
 
     def __init__(self, config: RetrievalConfig) -> None:
         self.budget = config.working_cache
+        self.slack = config.chunk_size
         self.sink = config.sink_tokens
         self.prefill_window = config.prefill_window
 
     def due(self, step: int, working_len: int) -> bool:
-        return working_len > self.budget
+        return working_len > self.budget + self.slack
 
     def select(self, seq_len: int, token_scores: torch.Tensor | None) -> Selection:
         if seq_len <= self.budget:
