@@ -209,4 +209,4 @@ def test_draft_agrees_with_target_on_plain_text(real_pair):
     x = torch.tensor([tok(text, add_special_tokens=False)["input_ids"][:128]])
     with torch.inference_mode():
         agree = (target(input_ids=x).logits.argmax(-1) == draft(input_ids=x).logits.argmax(-1)).float().mean()
-    assert agree > 0.3  # a trained draft, not random weights (the measured figure is in its card)
+    assert agree > 0.12  # a trained draft, not random weights (~0.02); the measured figures are in its card
