@@ -224,7 +224,7 @@ class Document:
     title: str
     path: Path
     tokens: int  # length in target tokens, counted with the target tokenizer
-    split: Literal["train", "eval", "sample"]
+    split: Literal["train", "eval"]  # eval: held out of the draft's training (measurement, app samples)
     source: str = ""
     licence: str = ""
 
@@ -252,7 +252,7 @@ def _manifest() -> tuple[Document, ...]:
 
 
 def documents(split: str | None = None) -> list[Document]:
-    """The bundled documents, in manifest order; ``split`` keeps only 'train', 'eval' or 'sample'."""
+    """The bundled documents, in manifest order; ``split`` keeps only 'train' or 'eval'."""
     docs = list(_manifest())
     if split is not None:
         docs = [d for d in docs if d.split == split]
