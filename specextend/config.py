@@ -65,8 +65,17 @@ class RetrievalConfig:
     retrieve_every: int = 4  # verification steps between retrievals
     prefill_window: int = 512  # the draft's sliding attention window during prefill
     sink_tokens: int = 4  # streaming: attention-sink tokens kept at the start
+    trigger: Literal["fixed", "adaptive"] = "fixed"  # adaptive: retrieve early when acceptance drops
+    min_acceptance: float = 0.5  # adaptive: retrieve when the recent acceptance rate falls below this
+    acceptance_window: int = 2  # adaptive: steps the recent acceptance rate is averaged over
 
     def __post_init__(self) -> None:
+        if self.trigger not in ("fixed", "adaptive"):
+            raise ValueError(f"retrieval trigger must be 'fixed' or 'adaptive', got {self.trigger!r}")
+        if not 0.0 <= self.min_acceptance <= 1.0:
+            raise ValueError(f"min_acceptance must be in [0, 1], got {self.min_acceptance}")
+        if self.acceptance_window < 1:
+            raise ValueError(f"acceptance_window must be at least 1 step, got {self.acceptance_window}")
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be at least 1 token, got {self.chunk_size}")
         if self.top_k < 1:

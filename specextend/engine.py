@@ -160,6 +160,8 @@ def generate(
         accepted = tuple(i in path for i in range(len(tree.tokens)))
         yield Verified(clock(), clock() - phase, step, position + 1, tuple(path), accepted, len(path), bonus,
                        tuple(committed), len(out))
+        if drafter is not None:
+            drafter.policy.observe(len(path), max(tree.depths, default=0))
         if drafter is not None and drafter.policy.due(step, drafter.working_len):  # d) retrieval
             yield retrieve(drafter, target, step, config, clock, sync)
     yield Finished(clock(), clock(), tuple(out), reason, step, len(prompt))

@@ -81,6 +81,7 @@ class DraftCachePolicy:
 
     `prefill_window`: the draft's sliding window during prefill (None: full causal attention).
     `needs_scores`: whether `select` wants the target's attention scores.
+    `observe(num_accepted, depth)`: what the latest step accepted of the depth it drafted.
     `due(step, working_len)`: whether the working cache is rebuilt after this step.
     `select(seq_len, token_scores)`: which committed positions [0, seq_len) the working cache holds.
     """
@@ -88,6 +89,9 @@ class DraftCachePolicy:
     name = "full"
     prefill_window: int | None = None
     needs_scores = False
+
+    def observe(self, num_accepted: int, depth: int) -> None:
+        return None
 
     def due(self, step: int, working_len: int) -> bool:
         return False
@@ -145,11 +149,35 @@ class CMRPolicy(DraftCachePolicy):
         )
 
 
+class AdaptiveCMRPolicy(CMRPolicy):
+    """CMR with an adaptive trigger: retrieve as soon as the acceptance rate over the last
+    `acceptance_window` steps falls below `min_acceptance`, and at the latest every 4 x `retrieve_every`
+    steps. A draft that keeps agreeing with the target pays for no retrieval."""
+
+    def __init__(self, config: RetrievalConfig) -> None:
+        super().__init__(config)
+        self.recent: list[float] = []
+        self.since = 0  # steps since the last retrieval
+
+    def observe(self, num_accepted: int, depth: int) -> None:
+        if depth > 0:
+            self.recent = (self.recent + [num_accepted / depth])[-self.config.acceptance_window :]
+        self.since += 1
+
+    def due(self, step: int, working_len: int) -> bool:
+        full = len(self.recent) == self.config.acceptance_window
+        low = full and sum(self.recent) / len(self.recent) < self.config.min_acceptance
+        if low or self.since >= 4 * self.config.retrieve_every:
+            self.recent, self.since = [], 0
+            return True
+        return False
+
+
 def make_policy(name: str, config: RetrievalConfig) -> DraftCachePolicy:
     if name == "full":
         return DraftCachePolicy()
     if name == "streaming":
         return StreamingPolicy(config)
     if name == "cmr":
-        return CMRPolicy(config)
+        return AdaptiveCMRPolicy(config) if config.trigger == "adaptive" else CMRPolicy(config)
     raise ValueError(f"unknown draft-cache policy {name!r}")

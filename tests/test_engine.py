@@ -260,3 +260,15 @@ def test_sampling_runs_reproducibly_and_respects_limits(llama_pair):
                             retrieval=RetrievalConfig(chunk_size=16, top_k=4, prefill_window=32))
             a, b = output(run(llama_pair, prompt, config)), output(run(llama_pair, prompt, config))
             assert a == b and len(a) == N_NEW
+
+
+def test_adaptive_retrieval_is_lossless_and_off_the_fixed_schedule(llama_pair, refs):
+    prompt = prompt_of(240, seed=17)
+    retrieval = RetrievalConfig(chunk_size=16, top_k=4, retrieve_every=1, prefill_window=32, trigger="adaptive",
+                                min_acceptance=0.9, acceptance_window=1)
+    trace = run(llama_pair, prompt, preset("specextend", max_new_tokens=N_NEW, retrieval=retrieval))
+    assert output(trace) == refs(prompt)
+    steps = {e.step: e.num_accepted for e in trace if isinstance(e, ev.Verified)}
+    retrieved = [e.step for e in trace if isinstance(e, ev.Retrieved)]
+    # after prefill, then exactly after the steps that accepted under 90% of their chain (or 4 quiet steps)
+    assert retrieved[0] == 0 and all(steps[s] < 4 or s >= 4 for s in retrieved[1:])

@@ -215,3 +215,18 @@ def test_cmr_by_hand():
     assert touching.selected == (0, 1, 2) and touching.kept_spans == ((0, 12),)
     empty = make_policy("cmr", config).select(0, token_scores)
     assert empty.positions.tolist() == [] and empty.selected == ()
+
+
+def test_adaptive_trigger_retrieves_when_acceptance_drops_and_at_the_latest_cap():
+    config = RetrievalConfig(chunk_size=8, top_k=4, retrieve_every=2, trigger="adaptive", min_acceptance=0.5,
+                             acceptance_window=2)
+    policy = make_policy("cmr", config)
+    fired = []
+    for step, accepted in enumerate([4, 4, 4, 4, 4, 4, 4, 4, 4, 0, 1, 4, 4], start=1):
+        policy.observe(accepted, 4)
+        if policy.due(step, 0):
+            fired.append(step)
+    # all accepted: only the cap (4 x retrieve_every = 8 steps); then two poor steps fire at once
+    assert fired == [8, 11]
+    with pytest.raises(ValueError, match="trigger"):
+        RetrievalConfig(trigger="sometimes")
