@@ -1,21 +1,26 @@
-"""Measure what drawing the live panels costs generation.
+"""Measure what the live panels cost generation. Two measurements:
 
-Runs the same request alternately with no one watching and with the panels drawn at the app's pace
-(figures built and serialised exactly as the app does, on the app's redraw schedule), and prints the
-decode tokens/s of both, the redraw rate and the share of wall time the drawing took. Gradio's own
-transport and the browser's rendering are not included; `--browser` adds them by driving the real app
-in Debian's chromium and reading the run's exported trace.
+`ab`: the same request on a model pair, alternately with no one watching and with the panels drawn at
+the app's pace (built and serialised exactly as the app does); prints decode tokens/s of both and the
+drawing's CPU time. On a busy machine the tokens/s of repeated runs scatter more than the effect.
 
-    python -m app.overhead --document britannica_plays --max-new-tokens 64 --repeats 3 [--browser]
+`ui`: replays a recorded trace at its recorded pace through the real app in headless Debian chromium
+and counts the CPU time the UI takes while it streams: this process (drawing, gradio, the replay) and
+the browser's processes. With the engine running, that CPU is what the panels take from it.
+
+    python -m app.overhead ab --document britannica_plays --chars 4000 --max-new-tokens 32 --repeats 3
+    python -m app.overhead ui path/to/run.trace.json
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import statistics
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import orjson
 
@@ -29,6 +34,8 @@ from .settings import BUNDLED_PAIR, Settings
 from .trace import loads
 
 TASK = "Summarize the document in a few sentences."
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
 def run_once(loaded, prompt, config, settings: Settings, draw: bool) -> tuple[float, RedrawMeter]:
@@ -52,51 +59,7 @@ def run_once(loaded, prompt, config, settings: Settings, draw: bool) -> tuple[fl
     return summarize(job.runs[config.method]).decode_tokens_per_s, meter
 
 
-def run_in_browser(text: str, max_new: int, settings: Settings) -> float:
-    """Decode tokens/s of one run started from the app in headless chromium, panels drawn live."""
-    from playwright.sync_api import sync_playwright
-
-    from .ui import build_app, launch
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        settings = replace(settings, host="127.0.0.1", port=s.getsockname()[1])
-    demo = build_app(real_factory, settings)
-    launch(demo, settings, prevent_thread_lock=True, quiet=True)
-    args = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-    try:
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=args)
-            page = browser.new_page(viewport={"width": 1500, "height": 1100})
-            page.goto(f"http://127.0.0.1:{settings.port}/")
-            page.fill("#document textarea", text)
-            for box in page.get_by_role("checkbox").all():
-                box.uncheck()
-            page.get_by_text("Knobs").click()
-            page.fill("#max-new input[type=number]", str(max_new))
-            page.press("#max-new input[type=number]", "Tab")
-            page.click("#run")
-            page.wait_for_function("document.querySelector('#status').innerText.includes('Done.')", timeout=3_600_000)
-            with page.expect_download() as download:
-                page.click("#download")
-            with open(download.value.path(), encoding="utf-8") as f:
-                runs, _, _ = loads(f.read())
-            browser.close()
-    finally:
-        demo.close()
-    return summarize(runs["specextend"]).decode_tokens_per_s
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--document", default="britannica_plays")
-    parser.add_argument("--chars", type=int, default=0, help="use only the first N characters (0: all)")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--browser", action="store_true", help="also run through the app in headless chromium")
-    args = parser.parse_args()
-
+def ab(args: argparse.Namespace) -> None:
     settings = Settings.from_env()
     text = documents.sample_text(args.document)
     text = text[: args.chars] if args.chars else text
@@ -105,7 +68,7 @@ def main() -> None:
     config = build_config("specextend", Knobs(max_new_tokens=args.max_new_tokens), loaded.codec.eos_ids)
     print(f"{len(prompt.ids)} prompt tokens, {args.max_new_tokens} new tokens, {loaded.device} {loaded.dtype}")
     run_once(loaded, prompt, config, settings, draw=False)  # warm-up
-    alone, drawn, rates, shares, costs = [], [], [], [], []
+    alone, drawn, rates, costs, shares = [], [], [], [], []
     for i in range(args.repeats):
         a, _ = run_once(loaded, prompt, config, settings, draw=False)
         b, meter = run_once(loaded, prompt, config, settings, draw=True)
@@ -113,18 +76,105 @@ def main() -> None:
         alone.append(a)
         drawn.append(b)
         rates.append(meter.draws / wall)
-        shares.append(meter.draw_s / wall)
         costs.append(meter.draw_s / max(meter.draws, 1))
-        print(f"repeat {i + 1}: alone {a:.2f} tok/s, with panels {b:.2f} tok/s, {rates[-1]:.1f} redraws/s, "
-              f"{costs[-1] * 1000:.1f} ms each, {shares[-1]:.1%} of wall time", flush=True)
-    mean_a, mean_b = statistics.mean(alone), statistics.mean(drawn)
-    print(f"decode tokens/s: alone {mean_a:.2f}, with panels drawn {mean_b:.2f} "
-          f"({(mean_a - mean_b) / mean_a:+.1%} cost); {statistics.mean(rates):.1f} redraws/s, "
-          f"{statistics.mean(costs) * 1000:.1f} ms each, {statistics.mean(shares):.1%} of wall time")
-    if args.browser:
-        del loaded  # the app loads its own pair
-        c = run_in_browser(text, args.max_new_tokens, settings)
-        print(f"through the app in chromium: {c:.2f} decode tok/s ({(mean_a - c) / mean_a:+.1%} vs alone)")
+        shares.append(meter.draw_s / wall)
+        print(f"repeat {i + 1}: alone {a:.2f} tok/s, with panels {b:.2f} tok/s; {rates[-1]:.1f} redraws/s, "
+              f"{costs[-1] * 1000:.1f} ms CPU each, {shares[-1]:.2%} of a core", flush=True)
+    print(f"decode tokens/s: alone {statistics.mean(alone):.2f}, with panels {statistics.mean(drawn):.2f}; "
+          f"{statistics.mean(rates):.1f} redraws/s, {statistics.mean(costs) * 1000:.1f} ms CPU each, "
+          f"{statistics.mean(shares):.2%} of a core")
+
+
+def _descendants(root: int) -> list[int]:
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(fields[1])
+    out, frontier = [], [root]
+    while frontier:
+        pid = frontier.pop()
+        kids = [p for p, parent in parents.items() if parent == pid]
+        out += kids
+        frontier += kids
+    return out
+
+
+def _cpu_seconds(pids: list[int], name: str) -> float:
+    """CPU seconds (user + system) so far of the processes among `pids` whose command name starts with `name`."""
+    total = 0
+    for pid in pids:
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if comm.startswith(name):
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def ui(args: argparse.Namespace) -> None:
+    from playwright.sync_api import sync_playwright
+
+    from .ui import build_app, launch
+
+    runs, _, _ = loads(Path(args.trace).read_text(encoding="utf-8"))
+    span = max(e.t_s for events in runs.values() for e in events)
+    steps = sum(type(e).__name__ == "Verified" for events in runs.values() for e in events)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        settings = replace(Settings.from_env(), host="127.0.0.1", port=s.getsockname()[1])
+    demo = build_app(lambda choice, progress: None, settings)
+    launch(demo, settings, prevent_thread_lock=True, quiet=True)
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+            page = browser.new_page(viewport={"width": 1500, "height": 1100})
+            page.goto(f"http://127.0.0.1:{settings.port}/")
+            page.get_by_text("Replay a trace without loading any model").click()
+            page.set_input_files("#trace-file input[type=file]", args.trace)
+            page.get_by_label("recorded pace").check()
+            page.locator("#chart-every label").nth(args.charts).click()
+            page.wait_for_timeout(1000)  # let the upload settle before counting
+            browser_pids = _descendants(os.getpid())
+            cpu0, browser0, wall0 = time.process_time(), _cpu_seconds(browser_pids, "chromium"), time.perf_counter()
+            page.click("#replay")
+            page.wait_for_function("document.querySelector('#status').innerText.includes('Done.')",
+                                   timeout=int(span * 4000) + 120_000)
+            wall = time.perf_counter() - wall0
+            server = time.process_time() - cpu0
+            browser_cpu = _cpu_seconds(_descendants(os.getpid()), "chromium") - browser0
+            status = page.inner_text("#status")
+            browser.close()
+    finally:
+        demo.close()
+    print(f"replayed {steps} steps over {wall:.1f} s ({steps / wall:.1f} steps/s)")
+    print(status.splitlines()[-1])
+    print(f"UI CPU while streaming: this process (drawing + gradio) {server / wall:.1%} of a core, "
+          f"chromium {browser_cpu / wall:.1%} of a core")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="mode", required=True)
+    a = sub.add_parser("ab", help="engine alone vs engine with the panels drawn (server side)")
+    a.add_argument("--document", default="britannica_plays")
+    a.add_argument("--chars", type=int, default=0, help="use only the first N characters (0: all)")
+    a.add_argument("--max-new-tokens", type=int, default=64)
+    a.add_argument("--repeats", type=int, default=3)
+    u = sub.add_parser("ui", help="CPU the whole UI takes while streaming a replayed trace in chromium")
+    u.add_argument("trace")
+    u.add_argument("--charts", type=int, default=0, choices=(0, 1, 2),
+                   help="which 'Redraw the charts' choice: 0 live, 1 once a second, 2 when the run ends")
+    args = parser.parse_args()
+    if args.mode == "ab":
+        ab(args)
+    else:
+        ui(args)
 
 
 if __name__ == "__main__":

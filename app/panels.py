@@ -23,9 +23,9 @@ class View:
 
     output: str
     exactness: str
-    retrieval: dict[str, Any]
-    acceptance: dict[str, Any]
-    throughput: dict[str, Any]
+    retrieval: dict[str, Any] | None
+    acceptance: dict[str, Any] | None
+    throughput: dict[str, Any] | None
     readout: str
 
 
@@ -51,14 +51,15 @@ def exactness(runs: Mapping[str, Sequence[Event]], primary: str, decode: Decode)
     return exactness_html(new_tokens(ours), new_tokens(reference), decode, label(primary))
 
 
-def main_view(runs: Mapping[str, Sequence[Event]], primary: str, decode: Decode) -> View:
+def main_view(runs: Mapping[str, Sequence[Event]], primary: str, decode: Decode, charts: bool = True) -> View:
+    """The main tab's panels; with `charts` False the three figures are left out (None)."""
     events = runs.get(primary, [])
     return View(
         output=output_html(events, decode),
         exactness=exactness(runs, primary, decode),
-        retrieval=retrieval_spec(events, decode),
-        acceptance=acceptance_spec(events, decode),
-        throughput=throughput_spec(runs),
+        retrieval=retrieval_spec(events, decode) if charts else None,
+        acceptance=acceptance_spec(events, decode) if charts else None,
+        throughput=throughput_spec(runs) if charts else None,
         readout=throughput_html(runs),
     )
 

@@ -12,6 +12,7 @@ and the limits that keep a shared app serving. Knows nothing of gradio or models
 | SPECEXTEND_MAX_NEW_TOKENS | 1024 | largest max_new_tokens a user may ask for |
 | SPECEXTEND_CONCURRENCY | 1 | generations running at once; others wait in the queue |
 | SPECEXTEND_QUEUE | 16 | requests that may wait in the queue |
+| SPECEXTEND_REDRAW_S | 0.3 | shortest time between redraws of the live panels (and the charts' default) |
 """
 
 from __future__ import annotations
@@ -66,6 +67,19 @@ def _int(env: Mapping[str, str], name: str, default: int, low: int) -> int:
     return value
 
 
+def _float(env: Mapping[str, str], name: str, default: float, low: float) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {raw!r}") from None
+    if not value >= low:
+        raise ValueError(f"{name} must be at least {low}, got {value}")
+    return value
+
+
 @dataclass(frozen=True)
 class Settings:
     host: str = "127.0.0.1"
@@ -92,6 +106,7 @@ class Settings:
             max_new_tokens=_int(env, "SPECEXTEND_MAX_NEW_TOKENS", 1024, 1),
             concurrency=_int(env, "SPECEXTEND_CONCURRENCY", 1, 1),
             queue_size=_int(env, "SPECEXTEND_QUEUE", 16, 1),
+            redraw_s=_float(env, "SPECEXTEND_REDRAW_S", 0.3, 0.05),
         )
 
     def pair(self, key: str) -> PairChoice:

@@ -66,7 +66,8 @@ METHOD_CHOICES = [
 ]
 RACE_CHOICES = [("standard speculative decoding", "speculative"), ("the target alone (also checks exactness)", "autoregressive")]
 DEFAULT_TASK = "Summarize the document in a few sentences."
-Draw = Callable[[Job, dict, Callable], list]  # (job, runs so far, decode) -> each panel's value
+KEEP_TRACES = 64  # exported trace files kept on disk (gradio's cache of them is swept hourly)
+Draw = Callable[[Job, dict, Callable, bool], list]  # (job, runs so far, decode, charts due) -> each panel's value
 
 NEEDLE_INTRO = """
 ### Needle in a haystack: can the draft still see the fact?
@@ -135,7 +136,7 @@ class Studio:
 
     # --- runs ------------------------------------------------------------------------------------
     def run(self, state: SessionState, document: str, task: str, pair_key: str, method: str, race: list[str],
-            *knob_values: Any) -> Iterator[tuple]:
+            chart_every: float, *knob_values: Any) -> Iterator[tuple]:
         state.stop()
         try:
             text = documents.check_text(document)
@@ -159,9 +160,10 @@ class Studio:
             return build_config(m, knobs, codec.eos_ids, self.settings.max_new_tokens)
 
         state.job = Job(methods, configs, prepare).start()
-        yield from self._stream(state.job, self._main_draw(method), {"pair": choice.label, "task": task, "primary": method})
+        yield from self._stream(state.job, self._main_draw(method), {"pair": choice.label, "task": task, "primary": method},
+                                chart_every)
 
-    def replay(self, state: SessionState, path: str | None, pace: str) -> Iterator[tuple]:
+    def replay(self, state: SessionState, path: str | None, pace: str, chart_every: float | None = None) -> Iterator[tuple]:
         state.stop()
         try:
             if not path:
@@ -185,7 +187,7 @@ class Studio:
             return codec, Prompt(prompt_ids, (0, len(prompt_ids))), float("inf"), replay(runs, 1.0 if pace == "recorded pace" else 0.0)
 
         state.job = Job(list(runs), lambda m, c: preset(m), prepare).start()
-        yield from self._stream(state.job, self._main_draw(primary), {**meta, "replayed": True})
+        yield from self._stream(state.job, self._main_draw(primary), {**meta, "replayed": True}, chart_every)
 
     def stop(self, state: SessionState) -> str:
         if state.job is None or state.job.done.is_set():
@@ -197,31 +199,38 @@ class Studio:
         return (status_html([], error), *[gr.skip()] * outputs)
 
     def _main_draw(self, primary: str) -> Draw:
-        def draw(job: Job, runs, decode) -> list:
-            view = main_view(runs, primary, decode)
+        def draw(job: Job, runs, decode, charts: bool) -> list:
+            view = main_view(runs, primary, decode, charts)
             return [view.output, view.exactness, view.retrieval, view.acceptance, view.throughput, view.readout]
 
         return draw
 
-    def _stream(self, job: Job, draw: Draw, export: dict[str, Any] | None = None) -> Iterator[tuple]:
+    def _stream(self, job: Job, draw: Draw, export: dict[str, Any] | None = None,
+                chart_every: float | None = None) -> Iterator[tuple]:
         """Redraw the panels from the job's snapshots until it is done; unchanged panels are not resent.
 
-        `draw` gives each panel's value (HTML, or a figure dict that is serialised here once with orjson
-        and handed to gradio as a ready Plot payload). With `export`, the last message also carries
-        the trace download, with `export` as its metadata.
+        `draw` gives each panel's value (HTML, a figure dict that is serialised here once with orjson
+        and handed to gradio as a ready Plot payload, or None to leave it). Charts are drawn at most
+        every `chart_every` seconds (0: on the first redraw and at the end only): in the browser they
+        cost far more than text. With `export`, the last message also carries the trace download.
         """
         meter = RedrawMeter(self.settings.redraw_s, self.settings.redraw_share)
+        chart_every = self.settings.redraw_s if chart_every is None else float(chart_every)
         sent: list[Any] = []
+        charted = -1e9
         while True:
             finished = job.done.wait(meter.wait())
             meter.start()
             runs = job.snapshot()
             decode = job.codec.decode if job.codec is not None else (lambda ids: "")
-            fresh = [orjson.dumps(v) if isinstance(v, dict) else v for v in draw(job, runs, decode)]
+            now = time.perf_counter()
+            charts = finished or meter.draws == 0 or (0 < chart_every <= now - charted + 0.01)
+            charted = now if charts else charted
+            fresh = [orjson.dumps(v) if isinstance(v, dict) else v for v in draw(job, runs, decode, charts)]
             sent += [None] * (len(fresh) - len(sent))
             values: list[Any] = []
             for i, value in enumerate(fresh):
-                if value == sent[i] and not finished:  # the last message carries every panel
+                if value is None or (value == sent[i] and not finished):  # the last message carries every panel
                     values.append(gr.skip())
                 else:
                     sent[i] = value
@@ -240,8 +249,11 @@ class Studio:
                 return
 
     def _export(self, runs, decode, meta: dict[str, Any]) -> str:
+        """Write the trace for download; only the most recent KEEP_TRACES files are kept."""
         path = self.trace_dir / f"specextend-trace-{time.strftime('%Y%m%d-%H%M%S')}-{id(runs) % 10000}.json"
         path.write_text(dumps(runs, decode, meta), encoding="utf-8")
+        for old in sorted(self.trace_dir.glob("*.json"), key=lambda f: f.stat().st_mtime)[:-KEEP_TRACES]:
+            old.unlink(missing_ok=True)
         return str(path)
 
     # --- teaching mode ---------------------------------------------------------------------------
@@ -273,12 +285,14 @@ class Studio:
         info = (f"<div class='se-needle'><b>Needle</b> (planted {planted.actual_depth:.0%} into the document): "
                 f"“{html.escape(planted.fact)}”<br><b>Question</b>: {html.escape(planted.question)}</div>")
 
-        def draw(job: Job, runs, decode) -> list:
+        def draw(job: Job, runs, decode, charts: bool) -> list:
             prompt = job.prompt
             if prompt is None or "needle" not in prompt.marks:
                 return [info, needle_spec({}, (0, 0), 0), "", gr.skip(), gr.skip()]
             span = prompt.marks["needle"]
             grid, answers = needle_view(runs, span, len(prompt.ids), planted.answer, decode)
+            if not charts:
+                return [info, None, answers, None, None]
             mark = ("needle", span)
             return [info, grid, answers, retrieval_spec(runs.get("specextend", []), decode, mark, height=300),
                     retrieval_spec(runs.get("streaming", []), decode, mark, height=300)]
@@ -292,7 +306,7 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
     settings = settings or Settings.from_env()
     studio = Studio(factory, settings)
     k = Knobs()
-    with gr.Blocks(title="SpecExtend Studio", fill_width=True) as demo:
+    with gr.Blocks(title="SpecExtend Studio", fill_width=True, delete_cache=(3600, 3600)) as demo:
         state = gr.State(SessionState, delete_callback=SessionState.close)
         gr.Markdown(INTRO)
         with gr.Tabs():
@@ -318,6 +332,12 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
                         method = gr.Radio(label="Method", choices=METHOD_CHOICES, value="specextend", elem_id="method")
                         race = gr.CheckboxGroup(label="Race on the same input, after the main run", choices=RACE_CHOICES,
                                                 value=["speculative", "autoregressive"], elem_id="race")
+                        chart_choices = [(f"live, every {settings.redraw_s:g} s", settings.redraw_s),
+                                         ("once a second", 1.0), ("when the run ends", 0.0)]
+                        charts = gr.Radio(chart_choices, value=settings.redraw_s, label="Redraw the charts",
+                                          elem_id="chart-every",
+                                          info="charts cost CPU in the browser: with the browser on the same small "
+                                               "machine, redraw less often for clean speed numbers")
                         with gr.Accordion("Knobs", open=False):
                             max_new = gr.Slider(1, settings.max_new_tokens, value=min(k.max_new_tokens, settings.max_new_tokens),
                                                 step=1, label="max new tokens", elem_id="max-new")
@@ -387,7 +407,7 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
         for source in (document, pair):
             source.change(studio.document_info, [document, pair], doc_info, queue=False, trigger_mode="always_last",
                           show_progress="hidden")
-        run_btn.click(studio.run, [state, document, task, pair, method, race, *knobs], outputs, api_name="run",
+        run_btn.click(studio.run, [state, document, task, pair, method, race, charts, *knobs], outputs, api_name="run",
                       concurrency_limit=settings.concurrency, concurrency_id="generate", show_progress="minimal",
                       ).then(studio.document_info, [document, pair], doc_info, queue=False, show_progress="hidden",
                              api_visibility="private")  # the exact token count, now that the model is loaded
@@ -396,7 +416,7 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
                     [n_status, n_info, n_grid, n_answers, n_cmr, n_stream], api_name="needle",
                     concurrency_limit=settings.concurrency, concurrency_id="generate", show_progress="minimal")
         n_stop.click(studio.stop, state, n_status, api_name="needle_stop", queue=False)
-        replay_btn.click(studio.replay, [state, trace_file, pace], outputs, api_name="replay", concurrency_limit=4,
+        replay_btn.click(studio.replay, [state, trace_file, pace, charts], outputs, api_name="replay", concurrency_limit=4,
                          concurrency_id="replay", show_progress="minimal")
     demo.queue(default_concurrency_limit=settings.concurrency, max_size=settings.queue_size)
     return demo

@@ -31,7 +31,7 @@ KNOBS = dict(max_new=48, chunk=32, top_k=6, every=3, shape="chain", k=4, depth=5
 
 def run_args(document=DOC, method="specextend", race=("speculative", "autoregressive"), pair=BUNDLED, **knobs):
     k = {**KNOBS, **knobs}
-    return (document, "Summarize.", pair, method, list(race), *k.values())
+    return (document, "Summarize.", pair, method, list(race), 0.3, *k.values())
 
 
 def free_port() -> int:
@@ -81,7 +81,7 @@ def test_a_run_streams_every_panel_and_exports_a_replayable_trace(client):
     assert len(curves) == 3
     assert readout.count("<tr>") == 4
 
-    replayed = client.predict(handle_file(download), "instant", api_name="/replay")
+    replayed = client.predict(handle_file(download), "instant", 0.3, api_name="/replay")
     assert "Done." in replayed[0] and json.loads(replayed[3]["plot"])["data"][1]["y"] == steps
 
 
@@ -162,7 +162,7 @@ def test_replay_refuses_files_that_are_not_traces(client, tmp_path):
     path.write_text('{"hello": 1}')
     from gradio_client import handle_file
 
-    status = client.predict(handle_file(str(path)), "instant", api_name="/replay")[0]
+    status = client.predict(handle_file(str(path)), "instant", 0.3, api_name="/replay")[0]
     assert "Cannot replay this file" in status and "not a SpecExtend trace" in status
     with pytest.raises(TraceError):
         loads("not json")
