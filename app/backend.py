@@ -38,12 +38,16 @@ class Codec:
         self.eos_ids: tuple[int, ...] = () if eos is None else (int(eos),)
         self._decode = lru_cache(maxsize=65536)(self._decode_ids)
 
-    def _decode_ids(self, ids: tuple[int, ...]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+    def _decode_ids(self, ids: tuple[int, ...], skip_special: bool = False) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of token ids (cached: panels decode the same chunks and tokens at every redraw)."""
+        """Text of token ids, special tokens shown (cached: panels decode the same chunks at every redraw)."""
         return self._decode(tuple(ids))
+
+    def text(self, ids: Sequence[int]) -> str:
+        """Text of token ids as a reader wants it: special tokens (the chat template's, EOS) left out."""
+        return self._decode(tuple(ids), True)
 
     def count(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -51,12 +51,18 @@ def exactness(runs: Mapping[str, Sequence[Event]], primary: str, decode: Decode)
     return exactness_html(new_tokens(ours), new_tokens(reference), decode, label(primary))
 
 
-def main_view(runs: Mapping[str, Sequence[Event]], primary: str, decode: Decode, charts: bool = True) -> View:
-    """The main tab's panels; with `charts` False the three figures are left out (None)."""
+def main_view(runs: Mapping[str, Sequence[Event]], primary: str, decode: Decode, charts: bool = True,
+              text: Decode | None = None) -> View:
+    """The main tab's panels; with `charts` False the three figures are left out (None).
+
+    `decode` shows special tokens (chunk and draft-token hovers); `text`, if given, is used for prose
+    (the output and the exactness check) and leaves them out.
+    """
     events = runs.get(primary, [])
+    text = text or decode
     return View(
-        output=output_html(events, decode),
-        exactness=exactness(runs, primary, decode),
+        output=output_html(events, text),
+        exactness=exactness(runs, primary, text),
         retrieval=retrieval_spec(events, decode) if charts else None,
         acceptance=acceptance_spec(events, decode) if charts else None,
         throughput=throughput_spec(runs) if charts else None,
@@ -65,9 +71,9 @@ def main_view(runs: Mapping[str, Sequence[Event]], primary: str, decode: Decode,
 
 
 def needle_view(runs: Mapping[str, Sequence[Event]], span: tuple[int, int], prompt_len: int, expected: str,
-                decode: Decode) -> tuple[dict[str, Any], str]:
-    """The teaching tab: the needle-held grid and each run's answer."""
-    return needle_spec(runs, span, prompt_len), answer_html(runs, decode, expected)
+                text: Decode) -> tuple[dict[str, Any], str]:
+    """The teaching tab: the needle-held grid and each run's answer (`text` decodes it for reading)."""
+    return needle_spec(runs, span, prompt_len), answer_html(runs, text, expected)
 
 
 def status_html(lines: Sequence[str], error: str = "") -> str:

@@ -55,6 +55,8 @@ class TableCodec:
     def decode(self, ids: Sequence[int]) -> str:
         return "".join(self.table.get(i, f"⟨{i}⟩") for i in ids)
 
+    text = decode  # the table keeps each token's text as recorded, special tokens included
+
 
 def loads(text: str) -> tuple[dict[str, list[Event]], TableCodec, dict[str, Any]]:
     """(runs by method, a codec for their tokens, meta) from a studio trace or a plain engine trace."""

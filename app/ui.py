@@ -200,7 +200,7 @@ class Studio:
 
     def _main_draw(self, primary: str) -> Draw:
         def draw(job: Job, runs, decode, charts: bool) -> list:
-            view = main_view(runs, primary, decode, charts)
+            view = main_view(runs, primary, decode, charts, text=job.codec.text if job.codec else None)
             return [view.output, view.exactness, view.retrieval, view.acceptance, view.throughput, view.readout]
 
         return draw
@@ -290,7 +290,7 @@ class Studio:
             if prompt is None or "needle" not in prompt.marks:
                 return [info, needle_spec({}, (0, 0), 0), "", gr.skip(), gr.skip()]
             span = prompt.marks["needle"]
-            grid, answers = needle_view(runs, span, len(prompt.ids), planted.answer, decode)
+            grid, answers = needle_view(runs, span, len(prompt.ids), planted.answer, job.codec.text)
             if not charts:
                 return [info, None, answers, None, None]
             mark = ("needle", span)

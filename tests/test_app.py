@@ -249,3 +249,22 @@ def test_messages_escape_what_the_user_controls(tmp_path):
     _, info = studio.upload(str(path))
     assert "<img" not in info and "&lt;img" in info
     assert "<script>" not in studio.document_info("text", "<script>alert(1)</script>")
+
+
+def test_a_run_stopped_during_prefill_still_draws():
+    import threading
+
+    from specextend.config import preset
+
+    from app.panels import main_view
+    from fixtures.fake_engine import fake_generate
+
+    stop = threading.Event()
+    events = []
+    for event in fake_generate(list(range(10, 5000)), preset("specextend"), stop):
+        events.append(event)
+        if type(event).__name__ == "Prefilling":
+            stop.set()  # Stop pressed while the prompt is being read
+    assert type(events[-1]).__name__ == "Finished" and events[-1].stop_reason == "stopped"
+    view = main_view({"specextend": events}, "specextend", lambda ids: "x" * len(ids))
+    assert "stopped" in view.output and view.retrieval["data"] == [] and view.acceptance["data"] == []

@@ -26,7 +26,8 @@ def held_share(r: Retrieved, span: tuple[int, int]) -> float:
 
 
 def needle_spec(runs: Mapping[str, Sequence[Event]], needle_span: tuple[int, int], prompt_len: int) -> Spec:
-    """Rows per run, columns per retrieval: how much of the needle the draft's cache held."""
+    """Rows per run, columns per step with a retrieval (of either run): how much of the needle the draft's
+    cache held after that step (a run that did not retrieve then still holds its previous selection)."""
     rows = {m: of(ev, Retrieved) for m, ev in runs.items()}
     rows = {m: rs for m, rs in rows.items() if rs}
     if not rows:
@@ -34,11 +35,12 @@ def needle_spec(runs: Mapping[str, Sequence[Event]], needle_span: tuple[int, int
     steps = sorted({r.step for rs in rows.values() for r in rs})
     names, z, text = [], [], []
     for method, rs in rows.items():
-        by_step = {r.step: held_share(r, needle_span) for r in rs}
+        # after each step the cache holds what its latest retrieval at or before that step chose
+        shares = [next((held_share(r, needle_span) for r in reversed(rs) if r.step <= s), None) for s in steps]
         names.append(label(method))
-        z.append([by_step.get(s) for s in steps])
-        text.append(["" if s not in by_step else ("holds the needle" if by_step[s] >= 1.0 else
-                     f"holds {by_step[s]:.0%} of the needle") for s in steps])
+        z.append(shares)
+        text.append(["" if v is None else ("holds the needle" if v >= 1.0 else f"holds {v:.0%} of the needle")
+                     for v in shares])
     depth = needle_span[0] / prompt_len if prompt_len else 0.0
     heat = {
         "type": "heatmap", "x": steps, "y": names, "z": z, "text": text, "zmin": 0.0, "zmax": 1.0,

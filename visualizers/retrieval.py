@@ -182,7 +182,8 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
                "anchor": "y2", "zeroline": False, "showgrid": False},
         yaxis={"domain": [1 - strip_share, 1.0], "visible": False, "range": [-0.5, 0.5], "fixedrange": True},
         yaxis2={"domain": [0.0, 1 - strip_share - 0.08], "title": {"text": "retrieval after step"},
-                "autorange": "reversed", "anchor": "x", "zeroline": False, "showgrid": False},
+                "autorange": "reversed", "anchor": "x", "zeroline": False, "showgrid": False,
+                **({"tickmode": "array", "tickvals": [r.step for r in shown]} if len(shown) <= 8 else {})},
         shapes=shapes,
         annotations=annotations,
     )
