@@ -15,6 +15,8 @@ from typing import Callable, Iterable, Sequence
 from specextend.config import DraftConfig, GenerationConfig, RetrievalConfig, preset
 from specextend.events import Event, Finished, Prefilled, Prefilling, Started, Verified
 
+from visualizers.common import label
+
 from .backend import Codec, Prompt
 
 log = logging.getLogger(__name__)
@@ -75,7 +77,6 @@ class Job:
     prompt: Prompt | None = None
     stop_event: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
-    started_at: float = field(default_factory=time.perf_counter)
 
     def say(self, message: str) -> None:
         self.status = message
@@ -118,17 +119,18 @@ class Job:
 
 def describe(method: str, event: Event) -> str:
     """One line on what a run is doing, from its latest event."""
+    name = label(method)
     if isinstance(event, Started):
-        return f"{method}: started on {event.device} ({event.dtype}), reading {len(event.prompt_ids):,} prompt tokens"
+        return f"{name}: started on {event.device} ({event.dtype}), reading {len(event.prompt_ids):,} prompt tokens"
     if isinstance(event, Prefilling):
-        return f"{method}: prefill of the {event.model}, {event.done:,} of {event.total:,} tokens read"
+        return f"{name}: prefill of the {event.model}, {event.done:,} of {event.total:,} tokens read"
     if isinstance(event, Prefilled):
-        return f"{method}: prefill done in {event.elapsed_s:.2f} s; generating"
+        return f"{name}: prefill done in {event.elapsed_s:.2f} s; generating"
     if isinstance(event, Verified):
-        return f"{method}: step {event.step}, {event.total_new} tokens generated"
+        return f"{name}: step {event.step}, {event.total_new} tokens generated"
     if isinstance(event, Finished):
-        return f"{method}: finished ({event.stop_reason}) after {event.steps} steps"
-    return f"{method}: {type(event).__name__.lower()} at step {getattr(event, 'step', 0)}"
+        return f"{name}: finished ({event.stop_reason}) after {event.steps} steps"
+    return f"{name}: {type(event).__name__.lower()} at step {getattr(event, 'step', 0)}"
 
 
 def replay(runs: dict[str, list[Event]], speed: float) -> Callable:

@@ -268,3 +268,30 @@ def test_a_run_stopped_during_prefill_still_draws():
     assert type(events[-1]).__name__ == "Finished" and events[-1].stop_reason == "stopped"
     view = main_view({"specextend": events}, "specextend", lambda ids: "x" * len(ids))
     assert "stopped" in view.output and view.retrieval["data"] == [] and view.acceptance["data"] == []
+
+
+def test_codec_tokenizes_with_the_chat_template_and_finds_the_document_and_the_needle():
+    from specextend.bundled import draft_dir
+
+    from app.backend import Codec
+
+    try:
+        path = draft_dir()  # the committed draft carries the pair's tokenizer and chat template
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    codec = Codec(tokenizer)
+    needle = "The magic number of Doctor Pym is 4242."
+    document = f"Once upon a time there was a long story. {needle} It went on and on, for pages and pages."
+    prompt = codec.prompt(document, "What is the magic number of Doctor Pym?", marks={"needle": needle})
+    messages = [{"role": "user", "content": f"{document}\n\nWhat is the magic number of Doctor Pym?"}]
+    reference = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    reference = reference["input_ids"] if isinstance(reference, dict) or hasattr(reference, "keys") else reference
+    assert prompt.ids == list(reference)
+    a, b = prompt.document_span
+    assert codec.decode(prompt.ids[a:b]).strip() == document
+    a, b = prompt.marks["needle"]
+    assert needle in codec.decode(prompt.ids[a:b]) and len(codec.decode(prompt.ids[a:b])) <= len(needle) + 2
+    assert codec.eos_ids and "<|im_end|>" not in codec.text(prompt.ids) and "<|im_end|>" in codec.decode(prompt.ids)
