@@ -362,7 +362,8 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
                         exact = gr.HTML(elem_id="exactness")
                         gr.Markdown("### ② Retrieval: which chunks the draft reads\nTop strip: the document in chunks, "
                                     "coloured by the target's attention; outlined chunks are in the draft's working "
-                                    "cache. Below: the working cache after each retrieval. Hover a chunk to read it.")
+                                    "cache. Below: the working cache after each retrieval; hover the ▸ marks at the "
+                                    "left to read what the output had said by then, and a chunk to read it.")
                         retrieval = gr.Plot(show_label=False, elem_id="retrieval-plot")
                         gr.Markdown("### ③ Acceptance: which guesses the target keeps")
                         acceptance = gr.Plot(show_label=False, elem_id="acceptance-plot")

@@ -64,7 +64,7 @@ def test_retrieval_heatmap_has_a_row_per_retrieval_and_outlines_the_working_cach
     events = trace()
     retrievals = [e for e in events if isinstance(e, Retrieved)]
     spec = retrieval_spec(events, decode)
-    strip, heat = spec["data"]
+    strip, heat, said = spec["data"]
     assert heat["y"] == [r.step for r in retrievals]
     assert retrievals[0].step == 0 and all(r.step % 3 == 0 for r in retrievals)
     latest = retrievals[-1]
@@ -75,6 +75,7 @@ def test_retrieval_heatmap_has_a_row_per_retrieval_and_outlines_the_working_cach
                 for c in range(int(shape["x0"] + 0.5), int(shape["x1"] + 0.5))}
     assert outlined == set(latest.selected)
     assert "chunk 0" in strip["text"][0][0] and "w100" in strip["text"][0][0]  # hover shows the chunk's text
+    assert said["y"] == heat["y"] and said["hovertext"][-1].startswith(f"output after step {latest.step}")
 
 
 def test_streaming_window_is_drawn_from_kept_spans():
