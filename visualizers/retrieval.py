@@ -1,9 +1,10 @@
 """Retrieval panel: which chunks of the document the draft's working cache holds, and how that moves.
 
-Top: the document as a strip of chunks coloured by the target's latest final-layer attention score,
-the chunks in the working cache outlined; hovering a chunk shows its text. Bottom: one row per
-retrieval, one column per chunk, filled where the chunk was in the working cache. A StreamingLLM run
-(no scores) shows the chunks its sink + recent window covers. Knows events; no gradio, no models.
+Top: the document as a strip of chunks coloured by the target's latest final-layer attention score
+(square root, so the long tail shows), the chunks in the working cache outlined; hovering a chunk shows
+its text. Bottom: one row per retrieval, one column per chunk, filled where the chunk was in the working
+cache, with a mark per row whose hover reads the output so far. A StreamingLLM run (no scores) shows
+the chunks its sink + recent window covers. Knows events; no gradio, no models.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
         held = " · <b>in working cache</b>" if i in kept else ""
         texts.append(f"chunk {i} ({where} tokens {s}–{e}){score}{held}<br>{hover_text(decode(sequence[s:e]))}")
 
-    strip_z = [None if s is None else s / top for s in scores]
+    strip_z = [None if s is None else math.sqrt(max(s, 0.0) / top) for s in scores]  # sqrt: attention is heavy-tailed
     if latest.policy == "streaming" or not latest.scores:
         strip_z = [1.0 if i in kept else 0.0 for i in range(n)]
     columns = list(range(0, n, width))
