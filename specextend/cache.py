@@ -119,11 +119,17 @@ class KVCache(Cache):
         return out
 
     def keep(self, slots: torch.Tensor) -> None:
-        """Keep only `slots` (ascending), moved to the front in order: (B, H, T, D) -> (B, H, len(slots), D)."""
-        kept = self.gather(slots)
-        for layer, (keys, values) in zip(self.layers, kept):
-            layer.write(0, keys, values)
-        self.rope_positions = self.rope_positions[slots.cpu()]
+        """Keep only `slots` (ascending), moved to the front in order: (B, H, T, D) -> (B, H, len(slots), D).
+        Slots already in place (the committed prefix) are not copied: only the tail from the first moved slot is."""
+        slots = slots.cpu()
+        moved = (slots != torch.arange(slots.shape[0])).nonzero()
+        start = int(moved[0]) if moved.numel() else slots.shape[0]
+        if start < slots.shape[0]:
+            for layer, (keys, values) in zip(self.layers, self.gather(slots[start:])):
+                layer.write(start, keys, values)
+        for layer in self.layers:
+            layer.crop(slots.shape[0])
+        self.rope_positions = self.rope_positions[slots]
 
     def append(self, kv: KV, rope_positions: torch.Tensor) -> None:
         """Append slots taken from another cache with `gather`, keys rotated as `rope_positions` says."""
