@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -73,16 +72,8 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--out", default=str(pd_corpus.CACHE / "teacher"))
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    torch.manual_seed(args.seed)
-    sys.path.insert(0, str(pd_corpus.REPO_ROOT))
-    from specextend import bundled
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tdir = bundled.target_dir()
-    tok = AutoTokenizer.from_pretrained(tdir)
+    tok, model = pd_corpus.load_teacher(args.seed)
     tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()
     rng = random.Random(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -160,3 +160,21 @@ def training_texts() -> list[tuple[str, str]]:
     out.append((f"{SDIST_NAME}=={SDIST_VERSION}:{BRITANNICA} (paragraphs outside the held-out spans)",
                 britannica_text(BRITANNICA_TRAIN)))
     return out
+
+
+def load_teacher(seed: int):
+    """The bundled target as the distillation teacher: one thread, float32 (bf16 is emulated on AVX2 CPUs),
+    seeded. Returns (tokenizer, model)."""
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    sys.path.insert(0, str(REPO_ROOT))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specextend import bundled
+
+    tdir = bundled.target_dir()
+    tokenizer = AutoTokenizer.from_pretrained(tdir)
+    model = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()
+    return tokenizer, model

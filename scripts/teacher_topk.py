@@ -38,17 +38,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(pd_corpus.CACHE / "teacher"))
     ap.add_argument("--batch", type=int, default=4)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    torch.manual_seed(args.seed)
-
-    import sys
-    sys.path.insert(0, str(pd_corpus.REPO_ROOT))
-    from specextend import bundled
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tdir = bundled.target_dir()
-    tok = AutoTokenizer.from_pretrained(tdir)
-    model = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()
+    tok, model = pd_corpus.load_teacher(args.seed)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -64,7 +54,7 @@ def main() -> None:
     # Prose first (closest to what the target writes in the app), then interleave the rest.
     order = prose + verse
     meta = {"window": WINDOW, "topk": TOPK, "seed": args.seed, "prose_windows": len(prose),
-            "verse_windows": len(verse), "teacher": str(tdir), "teacher_dtype": "float32"}
+            "verse_windows": len(verse), "teacher": str(model.name_or_path), "teacher_dtype": "float32"}
     (out / "plain-meta.json").write_text(json.dumps(meta, indent=2))
     print(f"{len(prose)} prose and {len(verse)} verse windows of {WINDOW}", flush=True)
 
