@@ -125,6 +125,17 @@ def text_loss(logits, ids):
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
 
 
+def online_loss(logits, teacher_logits, mask, ce_weight: float):
+    """Full-vocabulary distillation: cross-entropy of the draft against the target's whole softmax."""
+    logq = torch.log_softmax(logits.float(), dim=-1)  # (B, T, V)
+    p = torch.softmax(teacher_logits.float(), dim=-1)  # (B, T, V)
+    top = teacher_logits.argmax(-1, keepdim=True)  # (B, T, 1)
+    per = -(p * logq).sum(-1) - ce_weight * logq.gather(-1, top)[..., 0]
+    m = mask.float()
+    agree = ((logits.argmax(-1) == top[..., 0]).float() * m).sum() / m.sum()
+    return (per * m).sum() / m.sum(), agree
+
+
 def loss_fn(logits, tid, tlp, mask, ce_weight: float):
     logq = torch.log_softmax(logits.float(), dim=-1)  # (B, T, V)
     p = torch.softmax(tlp, dim=-1)  # (B, T, K) target top-k, renormalised
@@ -170,6 +181,9 @@ def main() -> None:
     ap.add_argument("--chat-weight", type=float, default=2.0, help="sampling weight of a chat row vs a text row")
     ap.add_argument("--text-share", type=float, default=0.5,
                     help="share of batches of plain text with next-token cross-entropy (cheap: no target)")
+    ap.add_argument("--online-share", type=float, default=0.0,
+                    help="share of batches of training text labelled by the target in the same step (full-vocabulary "
+                         "distillation; costs a target forward per batch)")
     ap.add_argument("--save-every", type=float, default=10.0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--teacher", default=str(pd_corpus.CACHE / "teacher"))
@@ -196,6 +210,9 @@ def main() -> None:
             init_from_target(model, f.get_tensor("model.embed_tokens.weight"), args.hidden)
         model.tie_weights()
     nparams = sum(p.numel() for p in model.parameters())
+    teacher = None
+    if args.online_share > 0:
+        teacher = LlamaForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()
 
     rows, kinds = load_shards(Path(args.teacher))
     val = [i for i, r in enumerate(rows) if r[0] == "plain"][-8:]  # held back from training
@@ -213,11 +230,12 @@ def main() -> None:
         "heads": args.heads, "kv_heads": args.kv_heads, "ff": args.ff, "seed": args.seed,
         "max_positions_trained": int(rows[0][1].shape[0]), "teacher_rows": kinds,
         "command": "python " + " ".join(sys.argv), "init": args.init or "target embedding PCA", "lr": args.lr, "batch": args.batch,
-        "ce_weight": args.ce_weight, "chat_weight": args.chat_weight, "text_share": args.text_share, "log": [],
+        "ce_weight": args.ce_weight, "chat_weight": args.chat_weight, "text_share": args.text_share,
+        "online_share": args.online_share, "threads": args.threads, "log": [],
     }
     start = time.time()
     last_save = start
-    step, tokens, text_tokens = 0, 0, 0
+    step, tokens, text_tokens, online_tokens = 0, 0, 0, 0
     agree = torch.tensor(float("nan"))
     budget = args.minutes * 60
     model.train()
@@ -227,12 +245,19 @@ def main() -> None:
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for g in opt.param_groups:
             g["lr"] = lr
-        if rng.random() < args.text_share:
+        draw = rng.random()
+        if draw < args.online_share + args.text_share:
             ids = text[rng.sample(range(len(text)), args.batch)].long()
             mask = torch.ones(ids.shape, dtype=torch.bool)
             mask[:, -1] = False
-            loss = text_loss(model(input_ids=ids).logits, ids)
-            text_tokens += int(mask.sum())
+            if draw < args.online_share:
+                with torch.no_grad():
+                    teacher_logits = teacher(input_ids=ids).logits
+                loss, agree = online_loss(model(input_ids=ids).logits, teacher_logits, mask, args.ce_weight)
+                online_tokens += int(mask.sum())
+            else:
+                loss = text_loss(model(input_ids=ids).logits, ids)
+                text_tokens += int(mask.sum())
         else:
             pick = rng.choices(train, weights=weights, k=args.batch)
             ids, tid, tlp, mask = batch_of(rows, pick)
@@ -250,7 +275,8 @@ def main() -> None:
                 vids, vtid, vtlp, vmask = batch_of(rows, val)
                 vloss, vagree = loss_fn(model(input_ids=vids).logits, vtid, vtlp, vmask, args.ce_weight)
             model.train()
-            entry = {"step": step, "minutes": round(el / 60, 2), "tokens": tokens, "text_tokens": text_tokens, "lr": lr,
+            entry = {"step": step, "minutes": round(el / 60, 2), "tokens": tokens, "text_tokens": text_tokens,
+                     "online_tokens": online_tokens, "lr": lr,
                      "loss": round(float(loss.detach()), 4), "agree": round(float(agree), 4),
                      "val_loss": round(float(vloss), 4), "val_agree": round(float(vagree), 4),
                      "tok_per_s": round(tokens / max(el, 1e-9), 1)}
@@ -260,6 +286,7 @@ def main() -> None:
             record["train_minutes"] = round((time.time() - start) / 60, 2)
             record["tokens_seen"] = tokens
             record["text_tokens_seen"] = text_tokens
+            record["online_tokens_seen"] = online_tokens
             record["steps"] = step
             save(model, Path(args.out), record)
             last_save = time.time()

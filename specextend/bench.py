@@ -299,7 +299,8 @@ def needle_summary(cases: list[dict]) -> dict:
 
 
 def sweep_configs(base: RetrievalConfig) -> dict[str, RetrievalConfig]:
-    """One parameter at a time around `base`: working cache (top-k), chunk size at a fixed working cache, frequency."""
+    """One parameter at a time around `base`: working cache (top-k), chunk size at a fixed working cache, frequency,
+    and the adaptive retrieval trigger at two acceptance floors."""
     out = {}
     for top_k in (base.top_k // 2, base.top_k * 2):
         if top_k >= 2:
@@ -310,6 +311,9 @@ def sweep_configs(base: RetrievalConfig) -> dict[str, RetrievalConfig]:
             out[f"chunk {chunk}, top-k {top_k} (working cache {chunk * top_k})"] = replace(base, chunk_size=chunk, top_k=top_k)
     for every in sorted({1, 2, 4, 8} - {base.retrieve_every}):
         out[f"retrieve every {every} steps"] = replace(base, retrieve_every=every)
+    for floor in (0.25, 0.5):  # the adaptive trigger against the fixed interval
+        out[f"adaptive: acceptance < {floor} over {base.acceptance_window} steps, "
+            f"at most every {4 * base.retrieve_every}"] = replace(base, trigger="adaptive", min_acceptance=floor)
     return out
 
 
@@ -407,17 +411,30 @@ def write_outputs(report: dict, out: Path) -> None:
     write_csv(report["cells"], out / "bench.csv")
     if report.get("sweep"):
         write_csv(report["sweep"], out / "sweep.csv")
-    png = importlib.util.find_spec("kaleido") is not None
     files = ["bench.json", "bench.csv"] + (["sweep.csv"] if report.get("sweep") else [])
-    for stem, fig in figures(report).items():
+    figs = figures(report)
+    for stem, fig in figs.items():
         fig.write_html(out / f"{stem}.html", include_plotlyjs="cdn")
         files.append(f"{stem}.html")
-        if png:
-            fig.write_image(out / f"{stem}.png")
-            files.append(f"{stem}.png")
+    report["png"] = write_pngs(figs, out)
+    if report["png"] == "written":
+        files += [f"{stem}.png" for stem in figs]
     report["files"] = files
-    report["png"] = "written" if png else "skipped: kaleido is not installed (pip install kaleido to get PNG figures)"
     (out / "bench.json").write_text(json.dumps(report, indent=1))
+
+
+def write_pngs(figs: dict, out: Path) -> str:
+    """PNG copies of the figures through kaleido, which drives a local Chrome or Chromium; says what happened."""
+    if importlib.util.find_spec("kaleido") is None:
+        return "skipped: kaleido is not installed (pip install -r requirements-dev.txt to get PNG figures)"
+    import plotly.io as pio
+    from choreographer.errors import BrowserFailedError, ChromeNotFoundError
+
+    try:
+        pio.write_images(list(figs.values()), [out / f"{stem}.png" for stem in figs], width=1100, height=550)
+    except (ChromeNotFoundError, BrowserFailedError) as err:
+        return f"skipped: kaleido found no working Chrome or Chromium ({err})"
+    return "written"
 
 
 def table(report: dict) -> str:
