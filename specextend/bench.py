@@ -411,7 +411,8 @@ def write_outputs(report: dict, out: Path) -> None:
     write_csv(report["cells"], out / "bench.csv")
     if report.get("sweep"):
         write_csv(report["sweep"], out / "sweep.csv")
-    files = ["bench.json", "bench.csv"] + (["sweep.csv"] if report.get("sweep") else [])
+    (out / "bench.md").write_text(markdown(report))
+    files = ["bench.json", "bench.csv", "bench.md"] + (["sweep.csv"] if report.get("sweep") else [])
     figs = figures(report)
     for stem, fig in figs.items():
         fig.write_html(out / f"{stem}.html", include_plotlyjs="cdn")
@@ -437,9 +438,60 @@ def write_pngs(figs: dict, out: Path) -> str:
     return "written"
 
 
+def fmt(s: dict | None, places: int = 1) -> str:
+    """A spread as 'median [min-max]'."""
+    return "-" if not s else f"{s['median']:.{places}f} [{s['min']:.{places}f}-{s['max']:.{places}f}]"
+
+
+def ratio(s: dict | None) -> str:
+    return "-" if not s else f"{s['median']:.2f}x"
+
+
+def markdown(report: dict) -> str:
+    """The report as Markdown tables: the grid per input length, the goals, the needle and sweep sections."""
+    lines = []
+    for length in sorted({r["length"] for r in report["cells"]}):
+        mine = [r for r in report["cells"] if r["length"] == length]
+        lines += [f"**~{length} input tokens** (median [min-max] over {mine[0]['decode_tokens_per_s']['n']} runs; "
+                  f"phase seconds are medians)", "",
+                  "| method | decode tok/s | e2e tok/s | x AR | x speculative | x hf_assisted | mean accepted | "
+                  + " | ".join(f"{p} s" for p in PHASES) + " | CMR share |",
+                  "|---" * (8 + len(PHASES)) + "|"]
+        for r in mine:
+            name = r["method"] + (f" (= {r['same_as']})" if r["same_as"] else "")
+            phases = [f"{r['phase_seconds'][p]:.2f}" if r["phase_seconds"] else "-" for p in PHASES]
+            share = r["cmr_overhead_share"]
+            lines.append(f"| {name} | {fmt(r['decode_tokens_per_s'])} | {fmt(r['e2e_tokens_per_s'])} | "
+                         f"{ratio(r['decode_speedup_vs_autoregressive'])} | {ratio(r['decode_speedup_vs_speculative'])} | "
+                         f"{ratio(r[f'decode_speedup_vs_{ASSISTED}'])} | {fmt(r['mean_accepted'], 2)} | "
+                         + " | ".join(phases) + f" | {'-' if not share else format(share['median'], '.1%')} |")
+        lines.append("")
+    lines += ["| goal | target | measured | met |", "|---|---|---|---|"]
+    for g in report["goals"]:
+        target = f"<= {g['target']:.0%}" if "overhead" in g["goal"] else f">= {g['target']}"
+        value = "-" if g["value"] is None else (f"{g['value']:.1%}" if "overhead" in g["goal"] else f"{g['value']:.2f}")
+        lines.append(f"| {g['goal']} | {target} | {value} | {'yes' if g['met'] else 'no'} |")
+    if report.get("needle"):
+        summary = report["needle"]["summary"]
+        depths = list(summary["by_depth"])
+        lines += ["", f"**Needle retrieval**: {summary['needles']} needles in ~{report['needle']['haystack_tokens']}-token "
+                  "haystacks, share of answers containing the planted value", "",
+                  "| reader | all | " + " | ".join(f"depth {d}" for d in depths) + " |", "|---" * (2 + len(depths)) + "|"]
+        for reader, acc in summary["accuracy"].items():
+            label = "target (ceiling)" if reader == "target" else f"draft alone, {reader} cache"
+            lines.append(f"| {label} | {acc:.0%} | " + " | ".join(f"{summary['by_depth'][d][reader]:.0%}" for d in depths)
+                         + " |")
+    if report.get("sweep"):
+        lines += ["", f"**Retrieval settings**: specextend on {report['sweep_input']}", "",
+                  "| setting | decode tok/s | e2e tok/s | mean accepted | CMR share | retrievals |", "|---|---|---|---|---|---|"]
+        for s in report["sweep"]:
+            lines.append(f"| {s['setting']} | {fmt(s['decode_tokens_per_s'])} | {fmt(s['e2e_tokens_per_s'])} | "
+                         f"{fmt(s['mean_accepted'], 2)} | {s['cmr_overhead_share']['median']:.1%} | "
+                         f"{s['retrievals']['median']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
 def table(report: dict) -> str:
-    fmt = lambda s, p=1: "-" if not s else f"{s['median']:.{p}f} [{s['min']:.{p}f}-{s['max']:.{p}f}]"  # noqa: E731
-    ratio = lambda s: "-" if not s else f"{s['median']:.2f}x"  # noqa: E731
     lines = [f"{'tokens':>6} {'method':<31} {'decode tok/s':>20} {'e2e tok/s':>18} {'xAR':>6} {'xspec':>6} "
              f"{'xHF':>6} {'accepted':>17} {'CMR share':>9}"]
     for r in report["cells"]:

@@ -1,0 +1,47 @@
+"""models.prepare: the few-row product path (SkinnyLinear) computes what nn.Linear computes, and swapping it in
+keeps a model's parameters, names and tied weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import tiny
+from specextend.models import SKINNY_ROWS, SkinnyLinear, prepare
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 5, SKINNY_ROWS, SKINNY_ROWS + 1, 300])
+def test_skinny_linear_equals_linear(rows, bias):
+    torch.manual_seed(rows)
+    stock = torch.nn.Linear(48, 80, bias=bias)
+    skinny = torch.nn.Linear(48, 80, bias=bias)
+    skinny.load_state_dict(stock.state_dict())
+    skinny.__class__ = SkinnyLinear
+    x = torch.randn(1, rows, 48)  # (batch, rows, features), as a decoder layer feeds it
+    got, want = skinny(x), stock(x)
+    assert got.shape == want.shape == (1, rows, 80)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    got.sum().backward()  # the path stays differentiable
+    assert skinny.weight.grad is not None and skinny.weight.grad.abs().sum() > 0
+
+
+def test_prepare_swaps_every_linear_and_keeps_names_and_ties():
+    torch.manual_seed(0)
+    tied = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
+    before = {k: v.clone() for k, v in tied.state_dict().items()}
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with torch.no_grad():
+        want = tied(input_ids=ids).logits
+    prepare(tied)
+    linears = [m for m in tied.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is SkinnyLinear for m in linears)
+    assert tied.lm_head.weight.data_ptr() == tied.model.embed_tokens.weight.data_ptr()
+    after = tied.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    with torch.no_grad():
+        torch.testing.assert_close(tied(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+    untied = prepare(tiny("llama", layers=1))
+    assert all(type(m) is SkinnyLinear for m in untied.modules() if isinstance(m, torch.nn.Linear))
