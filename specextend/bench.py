@@ -352,18 +352,21 @@ def write_csv(rows: list[dict], path: Path) -> None:
 def figures(report: dict) -> dict:
     """Plotly figures of the report, by file stem."""
     import plotly.graph_objects as go
+    from plotly.colors import qualitative
     from plotly.subplots import make_subplots
 
     rows = [r for r in report["cells"] if not r["same_as"]]
     names = list(dict.fromkeys(r["method"] for r in rows))
     figs = {}
     fig = make_subplots(rows=1, cols=2, subplot_titles=("decode tokens/s", "end-to-end tokens/s"))
-    for name in names:
+    palette = qualitative.D3
+    for i, name in enumerate(names):
         mine = [r for r in rows if r["method"] == name]
         for col, field in ((1, "decode_tokens_per_s"), (2, "e2e_tokens_per_s")):
             med = [r[field]["median"] for r in mine]
             fig.add_trace(go.Scatter(
                 x=[r["length"] for r in mine], y=med, name=name, legendgroup=name, showlegend=col == 1,
+                line=dict(color=palette[i % len(palette)]),
                 error_y=dict(type="data", symmetric=False, array=[r[field]["max"] - m for r, m in zip(mine, med)],
                              arrayminus=[m - r[field]["min"] for r, m in zip(mine, med)])), row=1, col=col)
     fig.update_xaxes(title_text="input tokens", type="log")
@@ -562,7 +565,8 @@ def run(args, progress) -> dict:
     n_needles = args.needles if "needle" not in args.skip else 0
     report = {"machine": machine(pair), "args": {k: sorted(v) if isinstance(v, set) else v for k, v in vars(args).items()},
               "methods": names, "retrieval": asdict(retrieval), "draft": asdict(draft)}
-    bar = progress(total=len(measured) * (1 + len(inputs) * args.repeats) + len(sweeps) * args.repeats + n_needles)
+    bar = progress(total=(len(measured) * (1 + len(inputs) * args.repeats) if inputs else 0) + len(sweeps) * args.repeats
+                   + n_needles)
 
     runs, references = [], {}
     for name in measured if inputs else ():  # warm-up: every method once on a short input
