@@ -358,40 +358,41 @@ def figures(report: dict) -> dict:
     rows = [r for r in report["cells"] if not r["same_as"]]
     names = list(dict.fromkeys(r["method"] for r in rows))
     figs = {}
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("decode tokens/s", "end-to-end tokens/s"))
-    palette = qualitative.D3
-    for i, name in enumerate(names):
-        mine = [r for r in rows if r["method"] == name]
-        for col, field in ((1, "decode_tokens_per_s"), (2, "e2e_tokens_per_s")):
-            med = [r[field]["median"] for r in mine]
-            fig.add_trace(go.Scatter(
-                x=[r["length"] for r in mine], y=med, name=name, legendgroup=name, showlegend=col == 1,
-                line=dict(color=palette[i % len(palette)]),
-                error_y=dict(type="data", symmetric=False, array=[r[field]["max"] - m for r, m in zip(mine, med)],
-                             arrayminus=[m - r[field]["min"] for r, m in zip(mine, med)])), row=1, col=col)
-    fig.update_xaxes(title_text="input tokens", type="log")
-    figs["throughput"] = fig.update_layout(title="Throughput by input length (median, min-max)")
-    fig = go.Figure()
-    for name in names:
-        mine = [r for r in rows if r["method"] == name and r["decode_speedup_vs_speculative"]]
-        fig.add_bar(x=[str(r["length"]) for r in mine], y=[r["decode_speedup_vs_speculative"]["median"] for r in mine],
-                    name=name)
-    figs["speedup"] = fig.update_layout(title="Decode speedup over standard speculative decoding", barmode="group",
-                                        xaxis_title="input tokens", yaxis_title="x speculative")
-    longest = max((r["length"] for r in rows), default=0)
-    at_longest = [r for r in rows if r["length"] == longest]
-    fig = go.Figure()
-    for r in at_longest:
-        if r["acceptance_by_position"]:
-            fig.add_scatter(x=list(range(1, len(r["acceptance_by_position"]) + 1)), y=r["acceptance_by_position"],
-                            name=r["method"])
-    figs["acceptance"] = fig.update_layout(title=f"Acceptance by draft position at {longest} tokens",
-                                           xaxis_title="draft position", yaxis_title="P(accepted)")
-    fig = go.Figure()
-    for phase in PHASES:
-        timed = [r for r in at_longest if r["phase_seconds"]]
-        fig.add_bar(x=[r["method"] for r in timed], y=[r["phase_seconds"][phase] for r in timed], name=phase)
-    figs["phases"] = fig.update_layout(title=f"Time per phase at {longest} tokens (median s)", barmode="stack")
+    if rows:  # the grid's figures (a needle-only run has none)
+        fig = make_subplots(rows=1, cols=2, subplot_titles=("decode tokens/s", "end-to-end tokens/s"))
+        palette = qualitative.D3
+        for i, name in enumerate(names):
+            mine = [r for r in rows if r["method"] == name]
+            for col, field in ((1, "decode_tokens_per_s"), (2, "e2e_tokens_per_s")):
+                med = [r[field]["median"] for r in mine]
+                fig.add_trace(go.Scatter(
+                    x=[r["length"] for r in mine], y=med, name=name, legendgroup=name, showlegend=col == 1,
+                    line=dict(color=palette[i % len(palette)]),
+                    error_y=dict(type="data", symmetric=False, array=[r[field]["max"] - m for r, m in zip(mine, med)],
+                                 arrayminus=[m - r[field]["min"] for r, m in zip(mine, med)])), row=1, col=col)
+        fig.update_xaxes(title_text="input tokens", type="log")
+        figs["throughput"] = fig.update_layout(title="Throughput by input length (median, min-max)")
+        fig = go.Figure()
+        for name in names:
+            mine = [r for r in rows if r["method"] == name and r["decode_speedup_vs_speculative"]]
+            fig.add_bar(x=[str(r["length"]) for r in mine], y=[r["decode_speedup_vs_speculative"]["median"] for r in mine],
+                        name=name)
+        figs["speedup"] = fig.update_layout(title="Decode speedup over standard speculative decoding", barmode="group",
+                                            xaxis_title="input tokens", yaxis_title="x speculative")
+        longest = max((r["length"] for r in rows), default=0)
+        at_longest = [r for r in rows if r["length"] == longest]
+        fig = go.Figure()
+        for r in at_longest:
+            if r["acceptance_by_position"]:
+                fig.add_scatter(x=list(range(1, len(r["acceptance_by_position"]) + 1)), y=r["acceptance_by_position"],
+                                name=r["method"])
+        figs["acceptance"] = fig.update_layout(title=f"Acceptance by draft position at {longest} tokens",
+                                               xaxis_title="draft position", yaxis_title="P(accepted)")
+        fig = go.Figure()
+        for phase in PHASES:
+            timed = [r for r in at_longest if r["phase_seconds"]]
+            fig.add_bar(x=[r["method"] for r in timed], y=[r["phase_seconds"][phase] for r in timed], name=phase)
+        figs["phases"] = fig.update_layout(title=f"Time per phase at {longest} tokens (median s)", barmode="stack")
     if report.get("needle"):
         by_depth = report["needle"]["summary"]["by_depth"]
         fig = go.Figure()
@@ -469,7 +470,8 @@ def markdown(report: dict) -> str:
                          f"{ratio(r[f'decode_speedup_vs_{ASSISTED}'])} | {fmt(r['mean_accepted'], 2)} | "
                          + " | ".join(phases) + f" | {'-' if not share else format(share['median'], '.1%')} |")
         lines.append("")
-    lines += ["| goal | target | measured | met |", "|---|---|---|---|"]
+    if report["goals"]:
+        lines += ["| goal | target | measured | met |", "|---|---|---|---|"]
     for g in report["goals"]:
         target = f"<= {g['target']:.0%}" if "overhead" in g["goal"] else f">= {g['target']}"
         value = "-" if g["value"] is None else (f"{g['value']:.1%}" if "overhead" in g["goal"] else f"{g['value']:.2f}")

@@ -91,3 +91,13 @@ def test_planted_greedy_mismatch_stops_the_run(tmp_path, monkeypatch, capsys):
     assert rc == 3
     assert "'streaming'" in err and "'autoregressive'" in err and "at new token 2" in err
     assert not (tmp_path / "bench.json").exists()
+
+
+def test_needle_only_run_writes_only_the_needle_figure(tmp_path, capsys):
+    rc = bench.main(["--quick", "--out", str(tmp_path), "--skip", "grid,sweep", "--needles", "2"])
+    assert rc == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["cells"] == [] and report["needle"]["summary"]["needles"] == 2
+    assert "needle.html" in report["files"] and not (tmp_path / "throughput.html").exists()
+    md = (tmp_path / "bench.md").read_text()
+    assert "**Needle retrieval**" in md and "| goal |" not in md
