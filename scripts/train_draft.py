@@ -131,8 +131,13 @@ def online_loss(logits, teacher_logits, mask, ce_weight: float):
     p = torch.softmax(teacher_logits.float(), dim=-1)  # (B, T, V)
     top = teacher_logits.argmax(-1, keepdim=True)  # (B, T, 1)
     per = -(p * logq).sum(-1) - ce_weight * logq.gather(-1, top)[..., 0]
+    return masked_mean_and_agreement(per, logits, top[..., 0], mask)
+
+
+def masked_mean_and_agreement(per, logits, target_top, mask):
+    """(mean of the per-position loss over `mask`, share of masked positions where the draft's argmax is the target's)."""
     m = mask.float()
-    agree = ((logits.argmax(-1) == top[..., 0]).float() * m).sum() / m.sum()
+    agree = ((logits.argmax(-1) == target_top).float() * m).sum() / m.sum()
     return (per * m).sum() / m.sum(), agree
 
 
@@ -143,9 +148,7 @@ def loss_fn(logits, tid, tlp, mask, ce_weight: float):
     kd = -(p * q_on_top).sum(-1)
     ce = -q_on_top[..., 0]
     per = kd + ce_weight * ce
-    m = mask.float()
-    agree = ((logits.argmax(-1) == tid[..., 0]).float() * m).sum() / m.sum()
-    return (per * m).sum() / m.sum(), agree
+    return masked_mean_and_agreement(per, logits, tid[..., 0], mask)
 
 
 def save(model, out: Path, record: dict) -> None:

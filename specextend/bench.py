@@ -349,50 +349,58 @@ def write_csv(rows: list[dict], path: Path) -> None:
         writer.writerows(rows)
 
 
-def figures(report: dict) -> dict:
-    """Plotly figures of the report, by file stem."""
+def grid_figures(rows: list[dict]) -> dict:
+    """The grid's figures: throughput by length, speedup over speculative, acceptance and phases at the longest."""
     import plotly.graph_objects as go
     from plotly.colors import qualitative
     from plotly.subplots import make_subplots
 
-    rows = [r for r in report["cells"] if not r["same_as"]]
     names = list(dict.fromkeys(r["method"] for r in rows))
     figs = {}
-    if rows:  # the grid's figures (a needle-only run has none)
-        fig = make_subplots(rows=1, cols=2, subplot_titles=("decode tokens/s", "end-to-end tokens/s"))
-        palette = qualitative.D3
-        for i, name in enumerate(names):
-            mine = [r for r in rows if r["method"] == name]
-            for col, field in ((1, "decode_tokens_per_s"), (2, "e2e_tokens_per_s")):
-                med = [r[field]["median"] for r in mine]
-                fig.add_trace(go.Scatter(
-                    x=[r["length"] for r in mine], y=med, name=name, legendgroup=name, showlegend=col == 1,
-                    line=dict(color=palette[i % len(palette)]),
-                    error_y=dict(type="data", symmetric=False, array=[r[field]["max"] - m for r, m in zip(mine, med)],
-                                 arrayminus=[m - r[field]["min"] for r, m in zip(mine, med)])), row=1, col=col)
-        fig.update_xaxes(title_text="input tokens", type="log")
-        figs["throughput"] = fig.update_layout(title="Throughput by input length (median, min-max)")
-        fig = go.Figure()
-        for name in names:
-            mine = [r for r in rows if r["method"] == name and r["decode_speedup_vs_speculative"]]
-            fig.add_bar(x=[str(r["length"]) for r in mine], y=[r["decode_speedup_vs_speculative"]["median"] for r in mine],
-                        name=name)
-        figs["speedup"] = fig.update_layout(title="Decode speedup over standard speculative decoding", barmode="group",
-                                            xaxis_title="input tokens", yaxis_title="x speculative")
-        longest = max((r["length"] for r in rows), default=0)
-        at_longest = [r for r in rows if r["length"] == longest]
-        fig = go.Figure()
-        for r in at_longest:
-            if r["acceptance_by_position"]:
-                fig.add_scatter(x=list(range(1, len(r["acceptance_by_position"]) + 1)), y=r["acceptance_by_position"],
-                                name=r["method"])
-        figs["acceptance"] = fig.update_layout(title=f"Acceptance by draft position at {longest} tokens",
-                                               xaxis_title="draft position", yaxis_title="P(accepted)")
-        fig = go.Figure()
-        for phase in PHASES:
-            timed = [r for r in at_longest if r["phase_seconds"]]
-            fig.add_bar(x=[r["method"] for r in timed], y=[r["phase_seconds"][phase] for r in timed], name=phase)
-        figs["phases"] = fig.update_layout(title=f"Time per phase at {longest} tokens (median s)", barmode="stack")
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("decode tokens/s", "end-to-end tokens/s"))
+    palette = qualitative.D3
+    for i, name in enumerate(names):
+        mine = [r for r in rows if r["method"] == name]
+        for col, field in ((1, "decode_tokens_per_s"), (2, "e2e_tokens_per_s")):
+            med = [r[field]["median"] for r in mine]
+            fig.add_trace(go.Scatter(
+                x=[r["length"] for r in mine], y=med, name=name, legendgroup=name, showlegend=col == 1,
+                line=dict(color=palette[i % len(palette)]),
+                error_y=dict(type="data", symmetric=False, array=[r[field]["max"] - m for r, m in zip(mine, med)],
+                             arrayminus=[m - r[field]["min"] for r, m in zip(mine, med)])), row=1, col=col)
+    fig.update_xaxes(title_text="input tokens", type="log")
+    figs["throughput"] = fig.update_layout(title="Throughput by input length (median, min-max)")
+    fig = go.Figure()
+    for name in names:
+        mine = [r for r in rows if r["method"] == name and r["decode_speedup_vs_speculative"]]
+        fig.add_bar(x=[str(r["length"]) for r in mine], y=[r["decode_speedup_vs_speculative"]["median"] for r in mine],
+                    name=name)
+    figs["speedup"] = fig.update_layout(title="Decode speedup over standard speculative decoding", barmode="group",
+                                        xaxis_title="input tokens", yaxis_title="x speculative")
+    longest = max((r["length"] for r in rows), default=0)
+    at_longest = [r for r in rows if r["length"] == longest]
+    fig = go.Figure()
+    for r in at_longest:
+        if r["acceptance_by_position"]:
+            fig.add_scatter(x=list(range(1, len(r["acceptance_by_position"]) + 1)), y=r["acceptance_by_position"],
+                            name=r["method"])
+    figs["acceptance"] = fig.update_layout(title=f"Acceptance by draft position at {longest} tokens",
+                                           xaxis_title="draft position", yaxis_title="P(accepted)")
+    fig = go.Figure()
+    for phase in PHASES:
+        timed = [r for r in at_longest if r["phase_seconds"]]
+        fig.add_bar(x=[r["method"] for r in timed], y=[r["phase_seconds"][phase] for r in timed], name=phase)
+    figs["phases"] = fig.update_layout(title=f"Time per phase at {longest} tokens (median s)", barmode="stack")
+    return figs
+
+
+def figures(report: dict) -> dict:
+    """Plotly figures of the report, by file stem."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    rows = [r for r in report["cells"] if not r["same_as"]]
+    figs = grid_figures(rows) if rows else {}  # a needle-only run has no grid
     if report.get("needle"):
         by_depth = report["needle"]["summary"]["by_depth"]
         fig = go.Figure()

@@ -99,6 +99,9 @@ def check_vocab(target: PreTrainedModel, draft: PreTrainedModel) -> None:
         )
 
 
+SKINNY_ROWS = 16  # SkinnyLinear's upper bound on rows
+
+
 class SkinnyLinear(torch.nn.Linear):
     """A Linear whose product for a few rows (a verification tree, a draft level) is taken weight-major.
 
@@ -114,9 +117,6 @@ class SkinnyLinear(torch.nn.Linear):
             return super().forward(x)
         out = (self.weight @ x.reshape(rows, -1).T).T.reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
-
-
-SKINNY_ROWS = 16
 
 
 def prepare(model: PreTrainedModel) -> PreTrainedModel:
