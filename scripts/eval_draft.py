@@ -10,6 +10,9 @@
 3. Decode step: one new token with a KV cache holding about --context tokens, median of --steps
    steps, draft and target alternating, same dtype.
 
+A draft folder with an output vocabulary (draft_vocab.json) is measured as the engine runs it: with
+logits only for those tokens, -inf elsewhere, so its argmax never leaves them.
+
 The target's argmaxes are cached in cache/eval/ (they do not change). Prints one JSON object.
 
     python scripts/eval_draft.py --threads 1
@@ -30,6 +33,7 @@ import pd_corpus
 
 sys.path.insert(0, str(pd_corpus.REPO_ROOT))
 from specextend import bundled  # noqa: E402
+from specextend.models import reduce_output_vocab  # noqa: E402
 
 CACHE = pd_corpus.CACHE / "eval"
 
@@ -63,12 +67,12 @@ def decode_step_ms(model, context: int, steps: int, vocab: int) -> list[float]:
 
     ids = torch.randint(100, vocab, (1, context))
     cache = DynamicCache(config=model.config)
-    model(input_ids=ids, past_key_values=cache, use_cache=True)
+    model(input_ids=ids, cache=cache, use_cache=True)
     times = []
     for _ in range(steps):
         tok = torch.randint(100, vocab, (1, 1))
         t = time.perf_counter()
-        model(input_ids=tok, past_key_values=cache, use_cache=True)
+        model(input_ids=tok, cache=cache, use_cache=True)
         times.append((time.perf_counter() - t) * 1000)
         cache.crop(-1)  # drop the new token: the cache stays at `context`
     return times
@@ -92,7 +96,7 @@ def main() -> None:
     ddir = Path(args.draft) if args.draft else bundled.draft_dir()
     tok = AutoTokenizer.from_pretrained(tdir)
     target = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()
-    draft = AutoModelForCausalLM.from_pretrained(ddir, dtype=torch.float32).eval()
+    draft = reduce_output_vocab(AutoModelForCausalLM.from_pretrained(ddir, dtype=torch.float32), ddir).eval()
     result: dict = {"draft": str(ddir), "threads": args.threads}
 
     docs = [d for d in bundled.documents() if d.split == "eval"]

@@ -4,13 +4,20 @@ Input: the teacher shards in cache/teacher/ (scripts/teacher_topk.py: public-dom
 scripts/chat_samples.py: the target's own greedy answers to document instructions), each row a
 window of at most 512 tokens with the target's top-k log-probabilities at every position.
 
-The draft has the target's full vocabulary (49,152) and tokenizer, tied embeddings initialised from
-the top principal directions of the target's embedding matrix, and never sees a position past 511.
-Loss per position on teacher rows: cross-entropy of the draft's full softmax against the target's
+The draft has the target's tokenizer and full input vocabulary (49,152), tied embeddings initialised
+from the top principal directions of the target's embedding matrix, and never sees a position past
+511. With --vocab N its output layer covers only N frequency-ranked tokens (the tied embedding's rows
+for them; the ids are saved as draft_vocab.json, which specextend.models reads): the target's
+distribution is then renormalised over those tokens, and both models compute logits only for them.
+Loss per position on teacher rows: cross-entropy of the draft's softmax against the target's
 top-k distribution (renormalised over those k tokens), plus a small cross-entropy on the target's
-argmax. A share of the batches (--text-share) are plain windows of the same training text with the
-ordinary next-token loss: on this shared 2-core CPU the target labels only ~50 tokens/s, so cheap
-real-text batches carry most of the language modelling and the teacher rows steer it to the target.
+argmax. Batches come in three kinds:
+- --online-share: random 512-token windows of the training text labelled by the target in the same
+  step; the loss is against the target's whole softmax (over the output vocabulary). The target's
+  forward is most of such a step, so --replay N adds N steps on earlier online windows, trained on
+  the target's top --replay-k log-probs kept from when they were labelled.
+- --text-share: the same windows with the ordinary next-token loss (cheap: no target).
+- the rest: the teacher shards above (the target's own chat answers among them).
 The learning rate follows a cosine over the wall-clock budget, so a run of --minutes ends annealed.
 Every --save-every minutes and at the end the weights are written (bfloat16 safetensors) to --out
 with the tokenizer files and a training record (train_record.json).
@@ -37,6 +44,7 @@ import pd_corpus
 
 sys.path.insert(0, str(pd_corpus.REPO_ROOT))
 from specextend import bundled  # noqa: E402
+from specextend.models import DRAFT_VOCAB_FILE  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -120,6 +128,40 @@ def batch_of(rows, pick):
     return ids, tid, tlp, mask
 
 
+def ranked_vocab(size: int, text: torch.Tensor, rows, vocab_size: int, corpus_share: float = 0.75) -> list[int]:
+    """`size` output token ids: the most frequent in the training text and the target's chat answers
+    (`corpus_share` of them), then the lowest ids not yet taken (a BPE vocabulary's ids follow its merge
+    order, roughly the frequency in the tokenizer's own, modern-English corpus). Sorted."""
+    counts = torch.bincount(text.long().flatten(), minlength=vocab_size).float()
+    for kind, ids, _, _, mask in rows:
+        if kind == "chat":
+            counts += torch.bincount(ids.long()[1:][mask[:-1]], minlength=vocab_size).float() * 4
+    chosen = set(torch.argsort(counts, descending=True)[: int(size * corpus_share)].tolist())
+    for i in range(vocab_size):
+        if len(chosen) == size:
+            break
+        chosen.add(i)
+    return sorted(chosen)
+
+
+def output_logits(model, ids, head):
+    """Logits over the output vocabulary: (B, T, V) for the full head, (B, T, len(sub)) for a reduced one."""
+    if head is None:
+        return model(input_ids=ids).logits
+    return F.linear(model.model(input_ids=ids).last_hidden_state, head())  # (B, T, H) -> (B, T, V_sub)
+
+
+def to_output_ids(tid, tlp, mask, position):
+    """Stage-1 top-k rows in output-vocabulary positions: tokens outside it get log-prob -inf, and
+    positions with none of their top-k inside are masked out."""
+    if position is None:
+        return tid, tlp, mask
+    mapped = position[tid]  # (B, T, K), -1 outside
+    inside = mapped >= 0
+    mask = mask & inside[..., 0]  # the target's argmax must be drawable
+    return mapped.clamp(min=0), tlp.masked_fill(~inside, float("-inf")).masked_fill(~mask[..., None], 0.0), mask
+
+
 def text_loss(logits, ids):
     """Plain next-token cross-entropy on real text (no target involved)."""
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
@@ -151,7 +193,7 @@ def loss_fn(logits, tid, tlp, mask, ce_weight: float):
     return masked_mean_and_agreement(per, logits, tid[..., 0], mask)
 
 
-def save(model, out: Path, record: dict) -> None:
+def save(model, out: Path, record: dict, sub: list[int] | None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / (out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -163,6 +205,8 @@ def save(model, out: Path, record: dict) -> None:
         if (tdir / name).is_file():
             shutil.copy(tdir / name, tmp / name)
     (tmp / "train_record.json").write_text(json.dumps(record, indent=2) + "\n")
+    if sub is not None:
+        (tmp / DRAFT_VOCAB_FILE).write_text(json.dumps({"size": len(sub), "ids": sub}) + "\n")
     for f in tmp.iterdir():
         shutil.copy(f, out / f.name)
     shutil.rmtree(tmp)
@@ -187,12 +231,19 @@ def main() -> None:
     ap.add_argument("--online-share", type=float, default=0.0,
                     help="share of batches of training text labelled by the target in the same step (full-vocabulary "
                          "distillation; costs a target forward per batch)")
+    ap.add_argument("--replay", type=int, default=0,
+                    help="after each step, this many extra steps on earlier online windows, trained on the target's "
+                         "top --replay-k log-probs kept from when they were labelled (the target's forward is most "
+                         "of a step's cost)")
+    ap.add_argument("--replay-k", type=int, default=64)
     ap.add_argument("--save-every", type=float, default=10.0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--teacher", default=str(pd_corpus.CACHE / "teacher"))
     ap.add_argument("--out", default=str(pd_corpus.REPO_ROOT / "assets" / "models" / bundled.DRAFT_NAME))
     ap.add_argument("--max-steps", type=int, default=0)
     ap.add_argument("--init", default=None, help="continue from the weights in this draft folder")
+    ap.add_argument("--vocab", type=int, default=0,
+                    help="output vocabulary size (0: the target's whole vocabulary); an --init folder's own wins")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -222,7 +273,23 @@ def main() -> None:
     train = [i for i in range(len(rows)) if i not in set(val)]
     weights = [args.chat_weight if rows[i][0] == "chat" else 1.0 for i in train]
     text = corpus_windows(tdir, int(rows[0][1].shape[0]))
-    print(f"params {nparams} rows {kinds} train {len(train)} val {len(val)} text windows {len(text)}", flush=True)
+    sub = None
+    if args.init and (Path(args.init) / DRAFT_VOCAB_FILE).is_file():
+        sub = json.loads((Path(args.init) / DRAFT_VOCAB_FILE).read_text())["ids"]
+    elif args.vocab:
+        sub = ranked_vocab(args.vocab, text, rows, cfg.vocab_size)
+    position, draft_head, teacher_head = None, None, None
+    if sub is not None:
+        sub_t = torch.tensor(sub)
+        position = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
+        position[sub_t] = torch.arange(len(sub))
+        emb = model.model.embed_tokens.weight
+        draft_head = lambda: emb[sub_t]  # noqa: E731  (tied rows; gradients reach the embedding)
+        if teacher is not None:
+            teacher_rows = teacher.lm_head.weight[sub_t].detach().clone()
+            teacher_head = lambda: teacher_rows  # noqa: E731
+    print(f"params {nparams} rows {kinds} train {len(train)} val {len(val)} text windows {len(text)} "
+          f"output vocabulary {len(sub) if sub else cfg.vocab_size}", flush=True)
 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -234,11 +301,20 @@ def main() -> None:
         "max_positions_trained": int(rows[0][1].shape[0]), "teacher_rows": kinds,
         "command": "python " + " ".join(sys.argv), "init": args.init or "target embedding PCA", "lr": args.lr, "batch": args.batch,
         "ce_weight": args.ce_weight, "chat_weight": args.chat_weight, "text_share": args.text_share,
-        "online_share": args.online_share, "threads": args.threads, "log": [],
+        "online_share": args.online_share, "replay": args.replay, "replay_k": args.replay_k, "threads": args.threads,
+        "output_vocabulary": len(sub) if sub else cfg.vocab_size, "log": [],
     }
     start = time.time()
     last_save = start
-    step, tokens, text_tokens, online_tokens = 0, 0, 0, 0
+    step, tokens, text_tokens, online_tokens, replay_tokens = 0, 0, 0, 0, 0
+    replay: list = []  # (ids (T,), top ids (T, K), top log-probs (T, K), mask (T,)) per online window
+
+    def update(loss):
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
     agree = torch.tensor(float("nan"))
     budget = args.minutes * 60
     model.train()
@@ -255,20 +331,28 @@ def main() -> None:
             mask[:, -1] = False
             if draw < args.online_share:
                 with torch.no_grad():
-                    teacher_logits = teacher(input_ids=ids).logits
-                loss, agree = online_loss(model(input_ids=ids).logits, teacher_logits, mask, args.ce_weight)
+                    teacher_logits = output_logits(teacher, ids, teacher_head)
+                loss, agree = online_loss(output_logits(model, ids, draft_head), teacher_logits, mask, args.ce_weight)
                 online_tokens += int(mask.sum())
+                if args.replay:  # keep the target's top log-probs of these windows for later passes
+                    top = torch.log_softmax(teacher_logits.float(), dim=-1).topk(args.replay_k, dim=-1)
+                    replay += zip(ids.to(torch.int32), top.indices.to(torch.int32), top.values.half(), mask)
             else:
-                loss = text_loss(model(input_ids=ids).logits, ids)
+                loss = text_loss(model(input_ids=ids).logits, ids)  # the full head: real text may be anywhere
                 text_tokens += int(mask.sum())
         else:
             pick = rng.choices(train, weights=weights, k=args.batch)
             ids, tid, tlp, mask = batch_of(rows, pick)
-            loss, agree = loss_fn(model(input_ids=ids).logits, tid, tlp, mask, args.ce_weight)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+            tid, tlp, mask = to_output_ids(tid, tlp, mask, position)
+            loss, agree = loss_fn(output_logits(model, ids, draft_head), tid, tlp, mask, args.ce_weight)
+        update(loss)
+        for _ in range(args.replay if replay else 0):  # more passes over labels already paid for
+            pick = rng.sample(range(len(replay)), min(args.batch, len(replay)))
+            rids, rtid, rtlp, rmask = (torch.stack(x) for x in zip(*(replay[i] for i in pick)))
+            rloss, _ = loss_fn(output_logits(model, rids.long(), draft_head), rtid.long(), rtlp.float(), rmask,
+                               args.ce_weight)
+            update(rloss)
+            replay_tokens += int(rmask.sum())
         step += 1
         tokens += int(mask.sum())
         done = el >= budget or (args.max_steps and step >= args.max_steps)
@@ -276,10 +360,11 @@ def main() -> None:
             model.eval()
             with torch.no_grad():
                 vids, vtid, vtlp, vmask = batch_of(rows, val)
-                vloss, vagree = loss_fn(model(input_ids=vids).logits, vtid, vtlp, vmask, args.ce_weight)
+                vtid, vtlp, vmask = to_output_ids(vtid, vtlp, vmask, position)
+                vloss, vagree = loss_fn(output_logits(model, vids, draft_head), vtid, vtlp, vmask, args.ce_weight)
             model.train()
             entry = {"step": step, "minutes": round(el / 60, 2), "tokens": tokens, "text_tokens": text_tokens,
-                     "online_tokens": online_tokens, "lr": lr,
+                     "online_tokens": online_tokens, "replay_tokens": replay_tokens, "lr": lr,
                      "loss": round(float(loss.detach()), 4), "agree": round(float(agree), 4),
                      "val_loss": round(float(vloss), 4), "val_agree": round(float(vagree), 4),
                      "tok_per_s": round(tokens / max(el, 1e-9), 1)}
@@ -290,8 +375,9 @@ def main() -> None:
             record["tokens_seen"] = tokens
             record["text_tokens_seen"] = text_tokens
             record["online_tokens_seen"] = online_tokens
+            record["replay_tokens_seen"] = replay_tokens
             record["steps"] = step
-            save(model, Path(args.out), record)
+            save(model, Path(args.out), record, sub)
             last_save = time.time()
             print(f"saved to {args.out}", flush=True)
         if done:

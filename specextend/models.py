@@ -8,6 +8,7 @@ Knows models and devices; knows nothing of drafting, verification or retrieval.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -19,6 +20,7 @@ from . import attention
 from .cache import KVCache
 
 SUPPORTED = ("llama", "qwen2", "mistral")
+DRAFT_VOCAB_FILE = "draft_vocab.json"  # a model folder's output vocabulary, {"size": N, "ids": [...]}
 # CPU default: fp32. On the project's AVX2 machine (no native bf16) a bf16 forward of the 135M target ran
 # 4-5x slower than fp32 (README, "Exactness"); bf16 stays available with dtype="bfloat16".
 CPU_DTYPE = torch.float32
@@ -39,7 +41,7 @@ class ModelPair:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.target.get_output_embeddings().weight.shape[0])
+        return int(self.target.get_output_embeddings().out_features)
 
 
 def choose_device(device: str = "auto") -> torch.device:
@@ -85,13 +87,47 @@ def load_model(source: str | Path, device: torch.device, dtype: torch.dtype, dev
     )
     if model.config.model_type not in SUPPORTED:
         raise ValueError(f"{source}: model type {model.config.model_type!r} is not one of {', '.join(SUPPORTED)}")
+    reduce_output_vocab(model, Path(name))
     if device_map is None:
         model.to(device)
     return model.eval()
 
 
+class ReducedVocabHead(torch.nn.Module):
+    """An output layer over some of the vocabulary; every other token gets logit -inf, probability zero.
+
+    A draft whose output layer covers only frequency-ranked tokens drafts only those, at a fraction of
+    the cost of the full layer. The target still verifies over the whole vocabulary, and rejection
+    sampling stays exact because the draft's q is zero wherever it cannot draw. Logits come out over the
+    whole vocabulary, so nothing downstream knows.
+    """
+
+    def __init__(self, full: torch.nn.Linear, ids: torch.Tensor):
+        super().__init__()
+        self.out_features = full.out_features
+        self.register_buffer("ids", ids.to(torch.long), persistent=False)
+        self.rows = torch.nn.Linear(full.in_features, len(ids), bias=False, device=full.weight.device,
+                                    dtype=full.weight.dtype)
+        self.rows.weight = torch.nn.Parameter(full.weight.detach()[self.ids].clone(), requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # (..., H) -> (..., V_out) -> (..., V) with -inf outside `ids`
+        out = hidden.new_full((*hidden.shape[:-1], self.out_features), float("-inf"))
+        out[..., self.ids] = self.rows(hidden)
+        return out
+
+
+def reduce_output_vocab(model: PreTrainedModel, folder: Path) -> PreTrainedModel:
+    """Give `model` a ReducedVocabHead when its folder lists an output vocabulary (DRAFT_VOCAB_FILE)."""
+    vocab_file = folder / DRAFT_VOCAB_FILE
+    if vocab_file.is_file():
+        ids = torch.tensor(json.loads(vocab_file.read_text())["ids"])
+        model.set_output_embeddings(ReducedVocabHead(model.get_output_embeddings(), ids))
+    return model
+
+
 def check_vocab(target: PreTrainedModel, draft: PreTrainedModel) -> None:
-    t, d = target.get_output_embeddings().weight.shape[0], draft.get_output_embeddings().weight.shape[0]
+    t, d = target.get_output_embeddings().out_features, draft.get_output_embeddings().out_features
     if t != d or target.config.vocab_size != draft.config.vocab_size:
         raise ValueError(
             f"the target's vocabulary ({t} tokens) and the draft's ({d} tokens) differ: "

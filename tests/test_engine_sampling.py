@@ -1,7 +1,7 @@
 """Sampling through the whole engine keeps the target's distribution: the second and third generated
 tokens of a tiny-vocabulary model (both decided by verifying a depth-2 chain or tree, the first comes
 from the prefill), sampled with speculative decoding many times, follow the target's exact joint
-distribution (chi-square)."""
+distribution (chi-square), also when the draft can draw only some of the tokens."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from specextend.config import DraftConfig, preset
 from specextend.engine import generate
 from specextend.events import Drafted
 from specextend.metrics import node_depths
-from specextend.models import make_pair
+from specextend.models import ReducedVocabHead, make_pair
 
 V = 6
+DRAFT_OUTPUT_IDS = (0, 2, 3, 5)  # the reduced-vocabulary draft: q is zero for tokens 1 and 4
 
 
 def model(seed: int, layers: int):
@@ -26,9 +27,12 @@ def model(seed: int, layers: int):
     return LlamaForCausalLM(config).float().eval()
 
 
-@pytest.fixture(scope="module")
-def pair():
-    return make_pair(model(1, 2), model(2, 1))
+@pytest.fixture(scope="module", params=["full", "reduced"])
+def pair(request):
+    draft = model(2, 1)
+    if request.param == "reduced":
+        draft.set_output_embeddings(ReducedVocabHead(draft.get_output_embeddings(), torch.tensor(DRAFT_OUTPUT_IDS)))
+    return make_pair(model(1, 2), draft)
 
 
 def next_probs(target, ids: list[int], temperature: float) -> torch.Tensor:

@@ -1,14 +1,21 @@
 """models.prepare: the few-row product path (SkinnyLinear) computes what nn.Linear computes, and swapping it in
-keeps a model's parameters, names and tied weights."""
+keeps a model's parameters, names and tied weights. A draft folder with an output vocabulary loads a
+ReducedVocabHead: its logits are the full head's on those tokens and -inf elsewhere, and greedy
+decoding with it still equals the target's."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import tiny
-from specextend.models import SKINNY_ROWS, SkinnyLinear, prepare
+from conftest import VOCAB, reference_greedy, tiny
+from specextend.config import DraftConfig, preset
+from specextend.engine import generate
+from specextend.events import Drafted
+from specextend.models import DRAFT_VOCAB_FILE, SKINNY_ROWS, ReducedVocabHead, SkinnyLinear, load_model, make_pair, prepare
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -45,3 +52,31 @@ def test_prepare_swaps_every_linear_and_keeps_names_and_ties():
         torch.testing.assert_close(tied(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
     untied = prepare(tiny("llama", layers=1))
     assert all(type(m) is SkinnyLinear for m in untied.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_reduced_vocab_draft_loads_drafts_only_its_tokens_and_stays_lossless(tmp_path):
+    full = tiny("llama", layers=1, hidden=32, heads=2, kv_heads=1, seed=2)
+    full.save_pretrained(tmp_path)
+    ids = list(range(0, VOCAB, 3)) + [VOCAB - 1]
+    (tmp_path / DRAFT_VOCAB_FILE).write_text(json.dumps({"size": len(ids), "ids": ids}))
+    draft = load_model(tmp_path, torch.device("cpu"), torch.float32)
+    assert isinstance(draft.get_output_embeddings(), ReducedVocabHead)
+    prompt = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = full(input_ids=prompt).logits, draft(input_ids=prompt).logits  # (1, 40, VOCAB)
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[ids] = False
+    torch.testing.assert_close(got[..., ids], want[..., ids], rtol=1e-5, atol=1e-5)
+    assert torch.isneginf(got[..., outside]).all()
+
+    target = tiny("llama", layers=3, seed=1)
+    pair = make_pair(target, draft)  # the vocabularies still match: the head speaks for all VOCAB tokens
+    assert type(draft.get_output_embeddings().rows) is SkinnyLinear
+    ref = reference_greedy(target, prompt[0].tolist(), 20)
+    for method in ("speculative", "specextend"):
+        for shape in ("chain", "tree"):
+            trace = list(generate(pair, prompt[0].tolist(), preset(method, max_new_tokens=20,
+                                                                     draft=DraftConfig(shape=shape))))
+            assert list(trace[-1].token_ids) == ref, (method, shape)
+            drafted = {t for e in trace if isinstance(e, Drafted) for t in e.tokens}
+            assert drafted and drafted <= set(ids), (method, shape)
