@@ -2,7 +2,9 @@
 
 1. Top-1 agreement, teacher-forced, 256-token context: each held-out document is cut into 256-token
    windows (up to --windows per document, spread over it); agreement is the share of positions
-   where the draft's argmax equals the target's argmax (both float32).
+   where the draft's argmax equals the target's argmax (both float32). Also: the same over the
+   positions where the target gives its argmax at least 0.5, and the share of positions whose target
+   argmax the draft can produce at all (its output vocabulary).
 2. Long context: on the first 4,096 tokens of each document that long, agreement over the last 512
    positions (a) when the draft attends over all 4K tokens directly, and (b) through a sliding
    window: each block of 256 predictions sees the 256 tokens before it plus itself (256 to 511
@@ -33,7 +35,7 @@ import pd_corpus
 
 sys.path.insert(0, str(pd_corpus.REPO_ROOT))
 from specextend import bundled  # noqa: E402
-from specextend.models import reduce_output_vocab  # noqa: E402
+from specextend.models import DRAFT_VOCAB_FILE, reduce_output_vocab  # noqa: E402
 
 CACHE = pd_corpus.CACHE / "eval"
 
@@ -49,16 +51,18 @@ def argmax_of(model, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids).logits.argmax(-1)
 
 
-def cached_target_argmax(target, key: str, ids: torch.Tensor) -> torch.Tensor:
+@torch.inference_mode()
+def cached_target_top(target, key: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's argmax and its probability at every position of `ids`."""
     path = CACHE / f"{key}.pt"
     if path.is_file():
         saved = torch.load(path)
-        if torch.equal(saved["ids"], ids):
-            return saved["argmax"]
-    out = argmax_of(target, ids)
+        if torch.equal(saved["ids"], ids) and "p_max" in saved:
+            return saved["argmax"], saved["p_max"]
+    p_max, argmax = torch.softmax(target(input_ids=ids).logits, -1).max(-1)
     CACHE.mkdir(parents=True, exist_ok=True)
-    torch.save({"ids": ids, "argmax": out}, path)
-    return out
+    torch.save({"ids": ids, "argmax": argmax, "p_max": p_max}, path)
+    return argmax, p_max
 
 
 @torch.inference_mode()
@@ -101,26 +105,33 @@ def main() -> None:
 
     docs = [d for d in bundled.documents() if d.split == "eval"]
     per_doc = {}
-    hits = total = 0
+    same, confident, drawable = [], [], []
+    vocab_file = ddir / DRAFT_VOCAB_FILE
+    output_ids = torch.tensor(json.loads(vocab_file.read_text())["ids"]) if vocab_file.is_file() else None
     for d in docs:
         ids = tok(d.text(), add_special_tokens=False)["input_ids"]
         w = torch.tensor(windows_for(ids, 256, args.windows))
-        t_arg = cached_target_argmax(target, f"{d.name}-256x{len(w)}", w)
-        d_arg = argmax_of(draft, w)
-        h, n = int((t_arg == d_arg).sum()), t_arg.numel()
-        per_doc[d.name] = round(h / n, 4)
-        hits += h
-        total += n
-    result["agreement_256"] = round(hits / total, 4)
-    result["agreement_256_positions"] = total
+        t_arg, t_p = cached_target_top(target, f"{d.name}-256x{len(w)}", w)
+        hit = (t_arg == argmax_of(draft, w)).flatten()
+        per_doc[d.name] = round(float(hit.float().mean()), 4)
+        same.append(hit)
+        confident.append((t_p >= 0.5).flatten())
+        drawable.append(torch.isin(t_arg, output_ids).flatten() if output_ids is not None else torch.ones_like(hit))
+    same, confident, drawable = torch.cat(same), torch.cat(confident), torch.cat(drawable)
+    result["agreement_256"] = round(float(same.float().mean()), 4)
+    result["agreement_256_positions"] = same.numel()
     result["agreement_256_by_document"] = per_doc
+    # where the target puts at least half its probability on its argmax (the tokens a draft can hope to get)
+    result["target_confident_share"] = round(float(confident.float().mean()), 4)
+    result["agreement_256_target_confident"] = round(float(same[confident].float().mean()), 4)
+    result["target_argmax_in_draft_output_vocabulary"] = round(float(drawable.float().mean()), 4)
 
     if not args.skip_long:
         long_docs = [d for d in docs if d.tokens >= 4096][: args.long_docs]
         direct_h = window_h = n_long = 0
         for d in long_docs:
             ids = torch.tensor([tok(d.text(), add_special_tokens=False)["input_ids"][:4096]])
-            t_arg = cached_target_argmax(target, f"{d.name}-4096", ids)[0, -512:]
+            t_arg = cached_target_top(target, f"{d.name}-4096", ids)[0][0, -512:]
             direct = argmax_of(draft, ids)[0, -512:]
             windowed = []
             for s in (4096 - 512, 4096 - 256):  # two blocks of 256 predictions
