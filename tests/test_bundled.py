@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specextend import bundled, needle
+from specextend.models import DRAFT_VOCAB_FILE, reduce_output_vocab
 
 # ---------------------------------------------------------------- needle (pure text)
 
@@ -161,6 +162,9 @@ def test_draft_dir_is_committed():
     assert cfg["vocab_size"] == 49152 and cfg["tie_word_embeddings"] is True
     assert (d / "model.safetensors").stat().st_size < 45 * 2**20
     assert (d / "README.md").is_file() and (d / "tokenizer.json").is_file()
+    ids = json.loads((d / DRAFT_VOCAB_FILE).read_text())["ids"]  # the draft's output vocabulary
+    assert ids == sorted(set(ids)) and 0 <= ids[0] and ids[-1] < 49152 and len(ids) <= 16384
+    assert {1, 2} <= set(ids)  # it can draft the chat template's turn markers, end of turn included
 
 
 # ---------------------------------------------------------------- the real pair (one load per session)
@@ -172,8 +176,8 @@ def real_pair():
     tdir, ddir = bundled.default_pair()
     tok = AutoTokenizer.from_pretrained(tdir)
     target = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()
-    draft = AutoModelForCausalLM.from_pretrained(ddir, dtype=torch.float32).eval()
-    return tok, target, draft
+    draft = reduce_output_vocab(AutoModelForCausalLM.from_pretrained(ddir, dtype=torch.float32), ddir).eval()
+    return tok, target, draft  # the draft as the engine loads it: logits only over its output vocabulary
 
 
 def test_cached_target_dir_is_fast(real_pair):
@@ -199,7 +203,10 @@ def test_real_pair_shares_vocabulary_and_runs(real_pair):
         lt = target(input_ids=x).logits
         ld = draft(input_ids=x).logits
     assert lt.shape == ld.shape == (1, len(ids), 49152)
-    assert torch.isfinite(lt).all() and torch.isfinite(ld).all()
+    drawable = torch.zeros(49152, dtype=torch.bool)
+    drawable[json.loads((bundled.draft_dir() / DRAFT_VOCAB_FILE).read_text())["ids"]] = True
+    assert torch.isfinite(lt).all() and torch.isfinite(ld[..., drawable]).all()
+    assert torch.isneginf(ld[..., ~drawable]).all()
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
 
 
