@@ -35,7 +35,7 @@ import pd_corpus
 
 sys.path.insert(0, str(pd_corpus.REPO_ROOT))
 from specextend import bundled  # noqa: E402
-from specextend.models import DRAFT_VOCAB_FILE, reduce_output_vocab  # noqa: E402
+from specextend.models import read_output_vocab, reduce_output_vocab  # noqa: E402
 
 CACHE = pd_corpus.CACHE / "eval"
 
@@ -106,8 +106,8 @@ def main() -> None:
     docs = [d for d in bundled.documents() if d.split == "eval"]
     per_doc = {}
     same, confident, drawable = [], [], []
-    vocab_file = ddir / DRAFT_VOCAB_FILE
-    output_ids = torch.tensor(json.loads(vocab_file.read_text())["ids"]) if vocab_file.is_file() else None
+    listed = read_output_vocab(ddir)
+    output_ids = torch.tensor(listed) if listed is not None else None
     for d in docs:
         ids = tok(d.text(), add_special_tokens=False)["input_ids"]
         w = torch.tensor(windows_for(ids, 256, args.windows))

@@ -44,7 +44,7 @@ import pd_corpus
 
 sys.path.insert(0, str(pd_corpus.REPO_ROOT))
 from specextend import bundled  # noqa: E402
-from specextend.models import DRAFT_VOCAB_FILE  # noqa: E402
+from specextend.models import DRAFT_VOCAB_FILE, read_output_vocab  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -144,11 +144,13 @@ def ranked_vocab(size: int, text: torch.Tensor, rows, vocab_size: int, corpus_sh
     return sorted(chosen)
 
 
-def output_logits(model, ids, head):
-    """Logits over the output vocabulary: (B, T, V) for the full head, (B, T, len(sub)) for a reduced one."""
-    if head is None:
+def output_logits(model, ids, rows):
+    """Logits over the output vocabulary: (B, T, V) for the full head (`rows` None), else only for the token
+    ids in `rows`, (B, T, len(rows)). The head's rows are gathered per call, so gradients reach a tied embedding."""
+    if rows is None:
         return model(input_ids=ids).logits
-    return F.linear(model.model(input_ids=ids).last_hidden_state, head())  # (B, T, H) -> (B, T, V_sub)
+    head = model.get_output_embeddings().weight[rows]  # (len(rows), H)
+    return F.linear(model.model(input_ids=ids).last_hidden_state, head)  # (B, T, H) -> (B, T, len(rows))
 
 
 def to_output_ids(tid, tlp, mask, position):
@@ -273,21 +275,14 @@ def main() -> None:
     train = [i for i in range(len(rows)) if i not in set(val)]
     weights = [args.chat_weight if rows[i][0] == "chat" else 1.0 for i in train]
     text = corpus_windows(tdir, int(rows[0][1].shape[0]))
-    sub = None
-    if args.init and (Path(args.init) / DRAFT_VOCAB_FILE).is_file():
-        sub = json.loads((Path(args.init) / DRAFT_VOCAB_FILE).read_text())["ids"]
-    elif args.vocab:
+    sub = read_output_vocab(Path(args.init)) if args.init else None
+    if sub is None and args.vocab:
         sub = ranked_vocab(args.vocab, text, rows, cfg.vocab_size)
-    position, draft_head, teacher_head = None, None, None
+    sub_t, position = None, None
     if sub is not None:
         sub_t = torch.tensor(sub)
         position = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
         position[sub_t] = torch.arange(len(sub))
-        emb = model.model.embed_tokens.weight
-        draft_head = lambda: emb[sub_t]  # noqa: E731  (tied rows; gradients reach the embedding)
-        if teacher is not None:
-            teacher_rows = teacher.lm_head.weight[sub_t].detach().clone()
-            teacher_head = lambda: teacher_rows  # noqa: E731
     print(f"params {nparams} rows {kinds} train {len(train)} val {len(val)} text windows {len(text)} "
           f"output vocabulary {len(sub) if sub else cfg.vocab_size}", flush=True)
 
@@ -331,8 +326,8 @@ def main() -> None:
             mask[:, -1] = False
             if draw < args.online_share:
                 with torch.no_grad():
-                    teacher_logits = output_logits(teacher, ids, teacher_head)
-                loss, agree = online_loss(output_logits(model, ids, draft_head), teacher_logits, mask, args.ce_weight)
+                    teacher_logits = output_logits(teacher, ids, sub_t)
+                loss, agree = online_loss(output_logits(model, ids, sub_t), teacher_logits, mask, args.ce_weight)
                 online_tokens += int(mask.sum())
                 if args.replay:  # keep the target's top log-probs of these windows for later passes
                     top = torch.log_softmax(teacher_logits.float(), dim=-1).topk(args.replay_k, dim=-1)
@@ -344,12 +339,12 @@ def main() -> None:
             pick = rng.choices(train, weights=weights, k=args.batch)
             ids, tid, tlp, mask = batch_of(rows, pick)
             tid, tlp, mask = to_output_ids(tid, tlp, mask, position)
-            loss, agree = loss_fn(output_logits(model, ids, draft_head), tid, tlp, mask, args.ce_weight)
+            loss, agree = loss_fn(output_logits(model, ids, sub_t), tid, tlp, mask, args.ce_weight)
         update(loss)
         for _ in range(args.replay if replay else 0):  # more passes over labels already paid for
             pick = rng.sample(range(len(replay)), min(args.batch, len(replay)))
             rids, rtid, rtlp, rmask = (torch.stack(x) for x in zip(*(replay[i] for i in pick)))
-            rloss, _ = loss_fn(output_logits(model, rids.long(), draft_head), rtid.long(), rtlp.float(), rmask,
+            rloss, _ = loss_fn(output_logits(model, rids.long(), sub_t), rtid.long(), rtlp.float(), rmask,
                                args.ce_weight)
             update(rloss)
             replay_tokens += int(rmask.sum())
@@ -361,7 +356,7 @@ def main() -> None:
             with torch.no_grad():
                 vids, vtid, vtlp, vmask = batch_of(rows, val)
                 vtid, vtlp, vmask = to_output_ids(vtid, vtlp, vmask, position)
-                vloss, vagree = loss_fn(output_logits(model, vids, draft_head), vtid, vtlp, vmask, args.ce_weight)
+                vloss, vagree = loss_fn(output_logits(model, vids, sub_t), vtid, vtlp, vmask, args.ce_weight)
             model.train()
             entry = {"step": step, "minutes": round(el / 60, 2), "tokens": tokens, "text_tokens": text_tokens,
                      "online_tokens": online_tokens, "replay_tokens": replay_tokens, "lr": lr,

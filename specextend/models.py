@@ -117,12 +117,17 @@ class ReducedVocabHead(torch.nn.Module):
         return out
 
 
-def reduce_output_vocab(model: PreTrainedModel, folder: Path) -> PreTrainedModel:
-    """Give `model` a ReducedVocabHead when its folder lists an output vocabulary (DRAFT_VOCAB_FILE)."""
+def read_output_vocab(folder: Path) -> list[int] | None:
+    """The output vocabulary a model folder lists (DRAFT_VOCAB_FILE), or None when it lists none."""
     vocab_file = folder / DRAFT_VOCAB_FILE
-    if vocab_file.is_file():
-        ids = torch.tensor(json.loads(vocab_file.read_text())["ids"])
-        model.set_output_embeddings(ReducedVocabHead(model.get_output_embeddings(), ids))
+    return json.loads(vocab_file.read_text())["ids"] if vocab_file.is_file() else None
+
+
+def reduce_output_vocab(model: PreTrainedModel, folder: Path) -> PreTrainedModel:
+    """Give `model` a ReducedVocabHead when its folder lists an output vocabulary."""
+    ids = read_output_vocab(folder)
+    if ids is not None:
+        model.set_output_embeddings(ReducedVocabHead(model.get_output_embeddings(), torch.tensor(ids)))
     return model
 
 

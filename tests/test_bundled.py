@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specextend import bundled, needle
-from specextend.models import DRAFT_VOCAB_FILE, reduce_output_vocab
+from specextend.models import read_output_vocab, reduce_output_vocab
 
 # ---------------------------------------------------------------- needle (pure text)
 
@@ -162,7 +162,8 @@ def test_draft_dir_is_committed():
     assert cfg["vocab_size"] == 49152 and cfg["tie_word_embeddings"] is True
     assert (d / "model.safetensors").stat().st_size < 45 * 2**20
     assert (d / "README.md").is_file() and (d / "tokenizer.json").is_file()
-    ids = json.loads((d / DRAFT_VOCAB_FILE).read_text())["ids"]  # the draft's output vocabulary
+    ids = read_output_vocab(d)  # the draft's output vocabulary
+    assert ids is not None
     assert ids == sorted(set(ids)) and 0 <= ids[0] and ids[-1] < 49152 and len(ids) <= 16384
     assert {1, 2} <= set(ids)  # it can draft the chat template's turn markers, end of turn included
 
@@ -204,7 +205,7 @@ def test_real_pair_shares_vocabulary_and_runs(real_pair):
         ld = draft(input_ids=x).logits
     assert lt.shape == ld.shape == (1, len(ids), 49152)
     drawable = torch.zeros(49152, dtype=torch.bool)
-    drawable[json.loads((bundled.draft_dir() / DRAFT_VOCAB_FILE).read_text())["ids"]] = True
+    drawable[read_output_vocab(bundled.draft_dir())] = True
     assert torch.isfinite(lt).all() and torch.isfinite(ld[..., drawable]).all()
     assert torch.isneginf(ld[..., ~drawable]).all()
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
