@@ -16,6 +16,11 @@ argmax. Batches come in three kinds:
   step; the loss is against the target's whole softmax (over the output vocabulary). The target's
   forward is most of such a step, so --replay N adds N steps on earlier online windows, trained on
   the target's top --replay-k log-probs kept from when they were labelled.
+- --policy-share: on-policy chat windows: a chat-template prompt (a training-text passage and an
+  instruction, as scripts/chat_samples.py builds them) followed by the draft's OWN sampled answer,
+  labelled by the target in the same step like an online window. The draft then learns the target's
+  distribution on text in the register the app generates (answers and summaries in modern English)
+  and on its own mistakes; sampling from the small draft costs little next to the target's forward.
 - --text-share: the same windows with the ordinary next-token loss (cheap: no target).
 - the rest: the teacher shards above (the target's own chat answers among them).
 The learning rate follows a cosine over the wall-clock budget, so a run of --minutes ends annealed.
@@ -118,6 +123,58 @@ def corpus_windows(tok_dir: Path, window: int) -> torch.Tensor:
     t = torch.tensor(out, dtype=torch.int32)
     torch.save(t, path)
     return t
+
+
+def random_windows(stream: torch.Tensor, count: int, window: int, rng: random.Random) -> torch.Tensor:
+    """`count` windows of `window` tokens at random offsets of the flat training stream: (count, window)."""
+    starts = [rng.randrange(0, stream.numel() - window + 1) for _ in range(count)]
+    return torch.stack([stream[o:o + window] for o in starts]).long()
+
+
+@torch.no_grad()
+def draft_answers(model, prompts: list[list[int]], rows, window: int, max_new: int, pad: int, eos: int,
+                  temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft's own sampled answers to chat prompts, as training windows.
+
+    Returns ids (B, window): prompt + answer (up to and including eos) right-padded with `pad`, and the
+    loss mask (B, window) over the positions that predict a real next token. Right padding needs no
+    attention mask in training: a causal model never looks ahead. Tokens are drawn from the draft's
+    softmax over its output vocabulary (`rows`, or the whole vocabulary when None)."""
+    from transformers import DynamicCache
+
+    was_training = model.training
+    model.eval()
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # (B, width), left-padded
+    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    head = model.get_output_embeddings().weight
+    head = head if rows is None else head[rows]  # (V_out, H)
+    cache = DynamicCache(config=model.config)
+    answers = torch.empty((len(prompts), 0), dtype=torch.long)
+    done = torch.zeros(len(prompts), dtype=torch.bool)
+    for _ in range(max_new):
+        h = model.model(input_ids=ids, attention_mask=attn, position_ids=pos, cache=cache,
+                        use_cache=True).last_hidden_state[:, -1]  # (B, H)
+        pick = torch.multinomial(torch.softmax(F.linear(h, head) / temperature, -1), 1)  # (B, 1)
+        ids = pick if rows is None else rows[pick]
+        ids = ids.masked_fill(done[:, None], pad)
+        answers = torch.cat([answers, ids], 1)
+        done |= ids[:, 0] == eos
+        if bool(done.all()):
+            break
+        attn = torch.cat([attn, torch.ones_like(ids)], 1)
+        pos = pos[:, -1:] + 1
+    model.train(was_training)
+    out = torch.full((len(prompts), window), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), window), dtype=torch.bool)
+    for j, p in enumerate(prompts):
+        a = answers[j].tolist()
+        a = a[: a.index(eos) + 1] if eos in a else a
+        seq = (p + a)[:window]
+        out[j, : len(seq)] = torch.tensor(seq)
+        mask[j, : len(seq) - 1] = True
+    return out, mask
 
 
 def batch_of(rows, pick):
@@ -233,6 +290,14 @@ def main() -> None:
     ap.add_argument("--online-share", type=float, default=0.0,
                     help="share of batches of training text labelled by the target in the same step (full-vocabulary "
                          "distillation; costs a target forward per batch)")
+    ap.add_argument("--policy-share", type=float, default=0.0,
+                    help="share of batches of chat prompts answered by the draft itself and labelled by the target "
+                         "in the same step (on-policy distillation; costs a target forward per batch)")
+    ap.add_argument("--policy-max-new", type=int, default=128, help="longest draft answer in an on-policy window")
+    ap.add_argument("--policy-temperature", type=float, default=1.0)
+    ap.add_argument("--offsets", choices=("aligned", "random"), default="aligned",
+                    help="online and text windows: the fixed 512-token cuts of each text, or random offsets into "
+                         "the whole training stream (every pass sees new cuts)")
     ap.add_argument("--replay", type=int, default=0,
                     help="after each step, this many extra steps on earlier online windows, trained on the target's "
                          "top --replay-k log-probs kept from when they were labelled (the target's forward is most "
@@ -267,14 +332,24 @@ def main() -> None:
         model.tie_weights()
     nparams = sum(p.numel() for p in model.parameters())
     teacher = None
-    if args.online_share > 0:
+    if args.online_share + args.policy_share > 0:
         teacher = LlamaForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()
 
     rows, kinds = load_shards(Path(args.teacher))
     val = [i for i, r in enumerate(rows) if r[0] == "plain"][-8:]  # held back from training
     train = [i for i in range(len(rows)) if i not in set(val)]
     weights = [args.chat_weight if rows[i][0] == "chat" else 1.0 for i in train]
-    text = corpus_windows(tdir, int(rows[0][1].shape[0]))
+    window = int(rows[0][1].shape[0])
+    text = corpus_windows(tdir, window)
+    stream = text.flatten()
+    prompts: list[list[int]] = []
+    if args.policy_share > 0:
+        from transformers import AutoTokenizer
+
+        import chat_samples
+
+        tok = AutoTokenizer.from_pretrained(tdir)
+        prompts = chat_samples.make_prompts(tok, random.Random(args.seed + 1), 4000)
     sub = read_output_vocab(Path(args.init)) if args.init else None
     if sub is None and args.vocab:
         sub = ranked_vocab(args.vocab, text, rows, cfg.vocab_size)
@@ -296,13 +371,16 @@ def main() -> None:
         "max_positions_trained": int(rows[0][1].shape[0]), "teacher_rows": kinds,
         "command": "python " + " ".join(sys.argv), "init": args.init or "target embedding PCA", "lr": args.lr, "batch": args.batch,
         "ce_weight": args.ce_weight, "chat_weight": args.chat_weight, "text_share": args.text_share,
-        "online_share": args.online_share, "replay": args.replay, "replay_k": args.replay_k, "threads": args.threads,
+        "online_share": args.online_share,
+        "policy_share": args.policy_share, "policy_max_new": args.policy_max_new,
+        "policy_temperature": args.policy_temperature, "offsets": args.offsets, "replay": args.replay, "replay_k": args.replay_k, "threads": args.threads,
         "output_vocabulary": len(sub) if sub else cfg.vocab_size, "log": [],
     }
     start = time.time()
     last_save = start
-    step, tokens, text_tokens, online_tokens, replay_tokens = 0, 0, 0, 0, 0
+    step, tokens, text_tokens, online_tokens, replay_tokens, policy_tokens = 0, 0, 0, 0, 0, 0
     replay: list = []  # (ids (T,), top ids (T, K), top log-probs (T, K), mask (T,)) per online window
+    answered: list = []  # (ids (T,), mask (T,)) per on-policy window not yet trained on
 
     def update(loss):
         opt.zero_grad(set_to_none=True)
@@ -320,15 +398,27 @@ def main() -> None:
         for g in opt.param_groups:
             g["lr"] = lr
         draw = rng.random()
-        if draw < args.online_share + args.text_share:
-            ids = text[rng.sample(range(len(text)), args.batch)].long()
-            mask = torch.ones(ids.shape, dtype=torch.bool)
-            mask[:, -1] = False
-            if draw < args.online_share:
+        if draw < args.policy_share + args.online_share + args.text_share:
+            if draw < args.policy_share:  # the draft answers chat prompts; the target labels below
+                if len(answered) < args.batch:  # sampling several at once amortises the draft's decode steps
+                    more = draft_answers(model, rng.sample(prompts, 4 * args.batch), sub_t, window,
+                                         args.policy_max_new, tcfg.pad_token_id, tcfg.eos_token_id,
+                                         args.policy_temperature)
+                    answered += zip(*more)
+                ids, mask = (torch.stack(x) for x in zip(*answered[:args.batch]))
+                del answered[:args.batch]
+                policy_tokens += int(mask.sum())
+            else:
+                ids = (random_windows(stream, args.batch, window, rng) if args.offsets == "random"
+                       else text[rng.sample(range(len(text)), args.batch)].long())
+                mask = torch.ones(ids.shape, dtype=torch.bool)
+                mask[:, -1] = False
+            if draw < args.policy_share + args.online_share:
                 with torch.no_grad():
                     teacher_logits = output_logits(teacher, ids, sub_t)
                 loss, agree = online_loss(output_logits(model, ids, sub_t), teacher_logits, mask, args.ce_weight)
-                online_tokens += int(mask.sum())
+                if draw >= args.policy_share:
+                    online_tokens += int(mask.sum())
                 if args.replay:  # keep the target's top log-probs of these windows for later passes
                     top = torch.log_softmax(teacher_logits.float(), dim=-1).topk(args.replay_k, dim=-1)
                     replay += zip(ids.to(torch.int32), top.indices.to(torch.int32), top.values.half(), mask)
@@ -359,7 +449,7 @@ def main() -> None:
                 vloss, vagree = loss_fn(output_logits(model, vids, sub_t), vtid, vtlp, vmask, args.ce_weight)
             model.train()
             entry = {"step": step, "minutes": round(el / 60, 2), "tokens": tokens, "text_tokens": text_tokens,
-                     "online_tokens": online_tokens, "replay_tokens": replay_tokens, "lr": lr,
+                     "online_tokens": online_tokens, "policy_tokens": policy_tokens, "replay_tokens": replay_tokens, "lr": lr,
                      "loss": round(float(loss.detach()), 4), "agree": round(float(agree), 4),
                      "val_loss": round(float(vloss), 4), "val_agree": round(float(vagree), 4),
                      "tok_per_s": round(tokens / max(el, 1e-9), 1)}
@@ -371,6 +461,7 @@ def main() -> None:
             record["text_tokens_seen"] = text_tokens
             record["online_tokens_seen"] = online_tokens
             record["replay_tokens_seen"] = replay_tokens
+            record["policy_tokens_seen"] = policy_tokens
             record["steps"] = step
             save(model, Path(args.out), record, sub)
             last_save = time.time()
