@@ -40,8 +40,10 @@ INSTRUCTIONS = (
 )
 
 
-def make_prompts(tok, rng: random.Random, n: int) -> list[list[int]]:
-    texts = pd_corpus.training_texts()
+def make_prompts(tok, rng: random.Random, n: int, texts: list[tuple[str, str]] | None = None) -> list[list[int]]:
+    """Up to `n` chat-template prompts (token ids, at most WINDOW - 128): a passage of one of `texts`
+    ((label, text) pairs, the training texts by default) with an instruction before or after it."""
+    texts = texts if texts is not None else pd_corpus.training_texts()
     weights = [len(t) for _, t in texts]
     prompts = []
     for _ in range(n):

@@ -9,7 +9,11 @@
    positions (a) when the draft attends over all 4K tokens directly, and (b) through a sliding
    window: each block of 256 predictions sees the 256 tokens before it plus itself (256 to 511
    tokens of context, positions renumbered from 0), as the engine's 512-window prefill does.
-3. Decode step: one new token with a KV cache holding about --context tokens, median of --steps
+3. The target's own answers: chat-template prompts built from held-out passages (an instruction such
+   as "Summarize the following text."), answered greedily by the target; agreement is then measured
+   teacher-forced over the answer positions only. This is the register the app generates in, and
+   what the draft must predict during speculative decoding.
+4. Decode step: one new token with a KV cache holding about --context tokens, median of --steps
    steps, draft and target alternating, same dtype.
 
 A draft folder with an output vocabulary (draft_vocab.json) is measured as the engine runs it: with
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
@@ -66,6 +71,36 @@ def cached_target_top(target, key: str, ids: torch.Tensor) -> tuple[torch.Tensor
 
 
 @torch.inference_mode()
+def target_answers(target, tok, docs, count: int, max_new: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's greedy answers to `count` chat prompts built from passages of `docs` (cached).
+
+    Returns ids (N, T): prompt + answer, right-padded, and a mask (N, T) over the positions that predict
+    an answer token. Answers are generated one prompt at a time, so no padding touches the numbers."""
+    import chat_samples
+
+    path = CACHE / f"target-answers-{count}x{max_new}.pt"
+    if path.is_file():
+        saved = torch.load(path)
+        return saved["ids"], saved["mask"]
+    # make_prompts drops prompts too long for a 512-token window; ask for enough
+    prompts = chat_samples.make_prompts(tok, random.Random(2718), 4 * count, [(d.name, d.text()) for d in docs])[:count]
+    rows = []
+    for p in prompts:
+        out = target.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id)
+        rows.append((p, out[0, len(p):].tolist()))
+    width = max(len(p) + len(a) for p, a in rows)
+    ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for j, (p, a) in enumerate(rows):
+        ids[j, : len(p) + len(a)] = torch.tensor(p + a)
+        mask[j, len(p) - 1: len(p) + len(a) - 1] = True  # position i predicts token i + 1
+    CACHE.mkdir(parents=True, exist_ok=True)
+    torch.save({"ids": ids, "mask": mask}, path)
+    return ids, mask
+
+
+@torch.inference_mode()
 def decode_step_ms(model, context: int, steps: int, vocab: int) -> list[float]:
     from transformers import DynamicCache
 
@@ -90,6 +125,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--draft", default=None)
+    ap.add_argument("--answers", type=int, default=16, help="target answers to held-out chat prompts (0: skip)")
+    ap.add_argument("--answer-tokens", type=int, default=96)
     ap.add_argument("--skip-long", action="store_true")
     ap.add_argument("--skip-timing", action="store_true")
     args = ap.parse_args()
@@ -125,6 +162,15 @@ def main() -> None:
     result["target_confident_share"] = round(float(confident.float().mean()), 4)
     result["agreement_256_target_confident"] = round(float(same[confident].float().mean()), 4)
     result["target_argmax_in_draft_output_vocabulary"] = round(float(drawable.float().mean()), 4)
+
+    if args.answers:
+        ids, mask = target_answers(target, tok, docs, args.answers, args.answer_tokens)
+        t_arg = cached_target_top(target, f"answers-{args.answers}x{args.answer_tokens}", ids)[0]
+        hit = (t_arg == argmax_of(draft, ids))[mask]
+        # t_arg equals the next answer token wherever the batched forward matches one-by-one generation
+        result["agreement_target_answers"] = round(float(hit.float().mean()), 4)
+        result["agreement_target_answers_positions"] = hit.numel()
+        result["target_answers_reproduced"] = round(float((t_arg[:, :-1] == ids[:, 1:])[mask[:, :-1]].float().mean()), 4)
 
     if not args.skip_long:
         long_docs = [d for d in docs if d.tokens >= 4096][: args.long_docs]
