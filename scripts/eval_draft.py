@@ -19,7 +19,7 @@
 A draft folder with an output vocabulary (draft_vocab.json) is measured as the engine runs it: with
 logits only for those tokens, -inf elsewhere, so its argmax never leaves them.
 
-The target's argmaxes are cached in cache/eval/ (they do not change). Prints one JSON object.
+The target's argmaxes and answers are cached in cache/eval/ (they do not change). Prints one JSON object.
 
     python scripts/eval_draft.py --threads 1
 """
@@ -78,12 +78,13 @@ def target_answers(target, tok, docs, count: int, max_new: int) -> tuple[torch.T
     an answer token. Answers are generated one prompt at a time, so no padding touches the numbers."""
     import chat_samples
 
-    path = CACHE / f"target-answers-{count}x{max_new}.pt"
-    if path.is_file():
-        saved = torch.load(path)
-        return saved["ids"], saved["mask"]
     # make_prompts drops prompts too long for a 512-token window; ask for enough
     prompts = chat_samples.make_prompts(tok, random.Random(2718), 4 * count, [(d.name, d.text()) for d in docs])[:count]
+    path = CACHE / "answers" / f"{count}x{max_new}.pt"
+    if path.is_file():
+        saved = torch.load(path)
+        if saved["prompts"] == prompts:  # same documents, template and tokenizer
+            return saved["ids"], saved["mask"]
     rows = []
     for p in prompts:
         out = target.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
@@ -95,8 +96,8 @@ def target_answers(target, tok, docs, count: int, max_new: int) -> tuple[torch.T
     for j, (p, a) in enumerate(rows):
         ids[j, : len(p) + len(a)] = torch.tensor(p + a)
         mask[j, len(p) - 1: len(p) + len(a) - 1] = True  # position i predicts token i + 1
-    CACHE.mkdir(parents=True, exist_ok=True)
-    torch.save({"ids": ids, "mask": mask}, path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"prompts": prompts, "ids": ids, "mask": mask}, path)
     return ids, mask
 
 

@@ -11,16 +11,17 @@ for them; the ids are saved as draft_vocab.json, which specextend.models reads):
 distribution is then renormalised over those tokens, and both models compute logits only for them.
 Loss per position on teacher rows: cross-entropy of the draft's softmax against the target's
 top-k distribution (renormalised over those k tokens), plus a small cross-entropy on the target's
-argmax. Batches come in three kinds:
+argmax. Batches come in four kinds:
 - --online-share: random 512-token windows of the training text labelled by the target in the same
   step; the loss is against the target's whole softmax (over the output vocabulary). The target's
-  forward is most of such a step, so --replay N adds N steps on earlier online windows, trained on
-  the target's top --replay-k log-probs kept from when they were labelled.
+  forward is most of such a step, so --replay N adds N steps on windows labelled earlier in the run
+  (online and on-policy ones), trained on the target's top --replay-k log-probs kept from then.
 - --policy-share: on-policy chat windows: a chat-template prompt (a training-text passage and an
   instruction, as scripts/chat_samples.py builds them) followed by the draft's OWN sampled answer,
-  labelled by the target in the same step like an online window. The draft then learns the target's
-  distribution on text in the register the app generates (answers and summaries in modern English)
-  and on its own mistakes; sampling from the small draft costs little next to the target's forward.
+  labelled by the target in the same step like an online window, prompt and answer alike. The draft
+  then learns the target's distribution on text in the register the app generates (answers and
+  summaries in modern English) and on its own mistakes; sampling from the small draft costs little
+  next to the target's forward. The record's policy_tokens counts every position of these windows.
 - --text-share: the same windows with the ordinary next-token loss (cheap: no target).
 - the rest: the teacher shards above (the target's own chat answers among them).
 The learning rate follows a cosine over the wall-clock budget, so a run of --minutes ends annealed.
@@ -136,42 +137,44 @@ def draft_answers(model, prompts: list[list[int]], rows, window: int, max_new: i
                   temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The draft's own sampled answers to chat prompts, as training windows.
 
-    Returns ids (B, window): prompt + answer (up to and including eos) right-padded with `pad`, and the
-    loss mask (B, window) over the positions that predict a real next token. Right padding needs no
-    attention mask in training: a causal model never looks ahead. Tokens are drawn from the draft's
-    softmax over its output vocabulary (`rows`, or the whole vocabulary when None)."""
+    Returns ids (B, window): prompt + answer right-padded with `pad`, and the loss mask (B, window) over
+    the positions that predict a real next token (the prompt's and the answer's: the target labels
+    both). An answer ends after eos, after `max_new` tokens, or where its window is full, so no position
+    past `window` - 1 is ever sampled. Right padding needs no attention mask in training: a causal
+    model never looks ahead. Tokens are drawn from the draft's softmax over its output vocabulary
+    (`rows`, or the whole vocabulary when None); `temperature` must be above 0."""
     from transformers import DynamicCache
 
-    was_training = model.training
-    model.eval()
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # (B, width), left-padded
     attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    room = torch.tensor([min(max_new, window - len(p)) for p in prompts])  # answer tokens each row may take
     head = model.get_output_embeddings().weight
     head = head if rows is None else head[rows]  # (V_out, H)
     cache = DynamicCache(config=model.config)
     answers = torch.empty((len(prompts), 0), dtype=torch.long)
-    done = torch.zeros(len(prompts), dtype=torch.bool)
-    for _ in range(max_new):
-        h = model.model(input_ids=ids, attention_mask=attn, position_ids=pos, cache=cache,
-                        use_cache=True).last_hidden_state[:, -1]  # (B, H)
-        pick = torch.multinomial(torch.softmax(F.linear(h, head) / temperature, -1), 1)  # (B, 1)
-        ids = pick if rows is None else rows[pick]
-        ids = ids.masked_fill(done[:, None], pad)
-        answers = torch.cat([answers, ids], 1)
-        done |= ids[:, 0] == eos
-        if bool(done.all()):
-            break
-        attn = torch.cat([attn, torch.ones_like(ids)], 1)
-        pos = pos[:, -1:] + 1
-    model.train(was_training)
+    done = room <= 0
+    was_training = model.training
+    model.eval()
+    try:
+        while not bool(done.all()):
+            h = model.model(input_ids=ids, attention_mask=attn, position_ids=pos, cache=cache,
+                            use_cache=True).last_hidden_state[:, -1]  # (B, H)
+            pick = torch.multinomial(torch.softmax(F.linear(h, head) / temperature, -1), 1)  # (B, 1)
+            ids = (pick if rows is None else rows[pick]).masked_fill(done[:, None], pad)
+            answers = torch.cat([answers, ids], 1)  # (B, steps so far)
+            done |= (ids[:, 0] == eos) | (answers.shape[1] >= room)
+            attn = torch.cat([attn, torch.ones_like(ids)], 1)
+            pos = pos[:, -1:] + 1
+    finally:
+        model.train(was_training)
     out = torch.full((len(prompts), window), pad, dtype=torch.long)
     mask = torch.zeros((len(prompts), window), dtype=torch.bool)
     for j, p in enumerate(prompts):
-        a = answers[j].tolist()
+        a = answers[j, : int(room[j])].tolist() if int(room[j]) > 0 else []
         a = a[: a.index(eos) + 1] if eos in a else a
-        seq = (p + a)[:window]
+        seq = p[:window] + a
         out[j, : len(seq)] = torch.tensor(seq)
         mask[j, : len(seq) - 1] = True
     return out, mask
@@ -297,9 +300,9 @@ def main() -> None:
     ap.add_argument("--policy-temperature", type=float, default=1.0)
     ap.add_argument("--offsets", choices=("aligned", "random"), default="aligned",
                     help="online and text windows: the fixed 512-token cuts of each text, or random offsets into "
-                         "the whole training stream (every pass sees new cuts)")
+                         "those cuts laid end to end (every pass sees new cuts; a window may span two texts)")
     ap.add_argument("--replay", type=int, default=0,
-                    help="after each step, this many extra steps on earlier online windows, trained on the target's "
+                    help="after each step, this many extra steps on windows labelled earlier (online and on-policy), trained on the target's "
                          "top --replay-k log-probs kept from when they were labelled (the target's forward is most "
                          "of a step's cost)")
     ap.add_argument("--replay-k", type=int, default=64)
@@ -312,6 +315,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=0,
                     help="output vocabulary size (0: the target's whole vocabulary); an --init folder's own wins")
     args = ap.parse_args()
+    if args.policy_temperature <= 0:
+        ap.error("--policy-temperature must be above 0")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
@@ -379,7 +384,7 @@ def main() -> None:
     start = time.time()
     last_save = start
     step, tokens, text_tokens, online_tokens, replay_tokens, policy_tokens = 0, 0, 0, 0, 0, 0
-    replay: list = []  # (ids (T,), top ids (T, K), top log-probs (T, K), mask (T,)) per online window
+    replay: list = []  # (ids (T,), top ids (T, K), top log-probs (T, K), mask (T,)) per labelled window
     answered: list = []  # (ids (T,), mask (T,)) per on-policy window not yet trained on
 
     def update(loss):

@@ -20,7 +20,8 @@ from specextend import bundled
 sys.path.insert(0, str(bundled.REPO_ROOT / "scripts"))
 import train_draft  # noqa: E402
 
-PAD = EOS = 2
+EOS = 2
+ROWS = torch.tensor([0, 2, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43])  # an output vocabulary
 
 
 @given(n=st.integers(8, 200), window=st.integers(1, 8), count=st.integers(1, 5), seed=st.integers(0, 10_000))
@@ -35,55 +36,70 @@ def test_random_windows_are_slices_of_the_stream(n, window, count, seed):
         assert torch.equal(row, stream[start:start + window].long())
 
 
-@pytest.fixture(scope="module")
-def tiny():
+def tiny_llama(uniform: bool = False):
+    """A tiny random Llama. Large untied weights make the next token depend on the whole context;
+    `uniform` zeroes the output layer, so every token (eos included) is equally likely."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                       tie_word_embeddings=False, initializer_range=0.5, bos_token_id=1, eos_token_id=EOS,
-                      pad_token_id=PAD)  # large untied weights: the next token depends on the whole context
-    return LlamaForCausalLM(cfg).eval()
+                      pad_token_id=EOS)
+    model = LlamaForCausalLM(cfg).eval()
+    if uniform:
+        model.lm_head.weight.data.zero_()
+    return model
 
 
-def prompts_of(seed: int, count: int) -> list[list[int]]:
+def prompts_of(seed: int, count: int, longest: int = 12) -> list[list[int]]:
+    """Prompts of distinct lengths from ids 3..46: never eos (2) nor the pad id 47 used below."""
     rng = random.Random(seed)
-    return [[1] + [rng.randrange(3, 48) for _ in range(rng.randrange(2, 12))] for _ in range(count)]
+    lengths = rng.sample(range(2, longest + 1), count)
+    return [[1] + [rng.randrange(3, 47) for _ in range(n - 1)] for n in lengths]
 
 
-@pytest.mark.parametrize("rows", [None, torch.tensor([0, 2, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47])])
-def test_draft_answers_are_prompt_then_answer_from_the_output_vocabulary(tiny, rows):
+@pytest.mark.parametrize("pad", [EOS, 47])  # the bundled pair pads with eos; 47 tells padding from eos
+@pytest.mark.parametrize("rows", [None, ROWS, torch.tensor([5, EOS])])  # the last: eos half the time
+@pytest.mark.parametrize("window", [24, 14])  # 14: the longest prompts leave room for fewer than max_new
+def test_draft_answers_are_prompt_then_answer_cut_at_eos(pad, rows, window):
+    model = tiny_llama(uniform=True)
     torch.manual_seed(1)
-    prompts = prompts_of(0, 6)
-    ids, mask = train_draft.draft_answers(tiny, prompts, rows, window=24, max_new=8, pad=PAD, eos=EOS)
-    assert ids.shape == mask.shape == (6, 24)
+    prompts = prompts_of(0, 8)
+    ids, mask = train_draft.draft_answers(model, prompts, rows, window=window, max_new=8, pad=pad, eos=EOS)
+    assert ids.shape == mask.shape == (8, window)
+    ended = 0
     for j, p in enumerate(prompts):
-        length = int(mask[j].sum()) + 1  # the mask covers every real token but the last
-        assert torch.equal(mask[j], torch.arange(24) < length - 1)
         assert ids[j, :len(p)].tolist() == p
-        answer = ids[j, len(p):length].tolist()
-        assert 1 <= len(answer) <= 8
-        assert EOS not in answer[:-1]  # cut right after the first eos
-        assert (ids[j, length:] == PAD).all()
+        room = min(8, window - len(p))
+        answer = ids[j, len(p):len(p) + room].tolist()
+        answer = answer[: answer.index(EOS) + 1] if EOS in answer else answer
+        assert len(answer) >= 1
         if rows is not None:
             assert set(answer) <= set(rows.tolist())
+        length = len(p) + len(answer)
+        assert (ids[j, length:] == pad).all()  # with pad 47, an eos left after the cut would show here
+        assert torch.equal(mask[j], torch.arange(window) < length - 1)  # every real token predicts the next
+        ended += answer[-1] == EOS
+    if rows is not None and len(rows) == 2:
+        assert ended >= 1  # all 8 answers running 8 (or their room) tokens without eos: about 1 in 10^10
 
 
-def test_batched_left_padded_sampling_matches_one_prompt_at_a_time(tiny):
+def test_batched_left_padded_sampling_matches_one_prompt_at_a_time():
     """A near-zero temperature makes sampling greedy; the batch pads prompts of different lengths on the
     left, so its answers equal each prompt's own only if the attention mask hides the padding."""
+    model = tiny_llama()
     prompts = prompts_of(3, 5)
-    together, _ = train_draft.draft_answers(tiny, prompts, None, 32, 10, PAD, EOS, temperature=1e-4)
+    assert len({len(p) for p in prompts}) == 5
+    together, _ = train_draft.draft_answers(model, prompts, None, 32, 10, EOS, EOS, temperature=1e-4)
     for j, p in enumerate(prompts):
-        alone, _ = train_draft.draft_answers(tiny, [p], None, 32, 10, PAD, EOS, temperature=1e-4)
+        alone, _ = train_draft.draft_answers(model, [p], None, 32, 10, EOS, EOS, temperature=1e-4)
         assert torch.equal(together[j], alone[0])
 
 
-def test_draft_answers_leave_the_model_in_its_mode(tiny):
-    tiny.train()
-    train_draft.draft_answers(tiny, prompts_of(5, 2), None, 16, 3, PAD, EOS)
-    assert tiny.training
-    tiny.eval()
-    train_draft.draft_answers(tiny, prompts_of(5, 2), None, 16, 3, PAD, EOS)
-    assert not tiny.training
+def test_draft_answers_leave_the_model_in_its_mode():
+    model = tiny_llama()
+    for mode in (True, False):
+        model.train(mode)
+        train_draft.draft_answers(model, prompts_of(5, 2), None, 16, 3, EOS, EOS)
+        assert model.training is mode
