@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import itertools
 import json
 import math
 import random
@@ -150,8 +151,7 @@ def draft_answers(model, prompts: list[list[int]], rows, window: int, max_new: i
     attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     room = torch.tensor([min(max_new, window - len(p)) for p in prompts])  # answer tokens each row may take
-    head = model.get_output_embeddings().weight
-    head = head if rows is None else head[rows]  # (V_out, H)
+    head = output_rows(model, rows)  # (V_out, H)
     cache = DynamicCache(config=model.config)
     answers = torch.empty((len(prompts), 0), dtype=torch.long)
     done = room <= 0
@@ -204,13 +204,17 @@ def ranked_vocab(size: int, text: torch.Tensor, rows, vocab_size: int, corpus_sh
     return sorted(chosen)
 
 
+def output_rows(model, rows):
+    """The output layer's rows for the token ids in `rows` (all of them when None): (V_out, H). Gathered per
+    call, so gradients reach a tied embedding."""
+    head = model.get_output_embeddings().weight
+    return head if rows is None else head[rows]
+
+
 def output_logits(model, ids, rows):
     """Logits over the output vocabulary: (B, T, V) for the full head (`rows` None), else only for the token
-    ids in `rows`, (B, T, len(rows)). The head's rows are gathered per call, so gradients reach a tied embedding."""
-    if rows is None:
-        return model(input_ids=ids).logits
-    head = model.get_output_embeddings().weight[rows]  # (len(rows), H)
-    return F.linear(model.model(input_ids=ids).last_hidden_state, head)  # (B, T, H) -> (B, T, len(rows))
+    ids in `rows`, (B, T, len(rows))."""
+    return F.linear(model.model(input_ids=ids).last_hidden_state, output_rows(model, rows))  # (B, T, H) -> (B, T, V_out)
 
 
 def to_output_ids(tid, tlp, mask, position):
@@ -394,6 +398,9 @@ def main() -> None:
         opt.step()
 
     agree = torch.tensor(float("nan"))
+    # a step's batch kind: a uniform draw below an edge picks that kind, above them all the teacher rows
+    edges = list(zip(("policy", "online", "text"),
+                     itertools.accumulate((args.policy_share, args.online_share, args.text_share))))
     budget = args.minutes * 60
     model.train()
     while True:
@@ -403,8 +410,9 @@ def main() -> None:
         for g in opt.param_groups:
             g["lr"] = lr
         draw = rng.random()
-        if draw < args.policy_share + args.online_share + args.text_share:
-            if draw < args.policy_share:  # the draft answers chat prompts; the target labels below
+        kind = next((k for k, edge in edges if draw < edge), "teacher rows")
+        if kind != "teacher rows":
+            if kind == "policy":  # the draft answers chat prompts; the target labels below
                 if len(answered) < args.batch:  # sampling several at once amortises the draft's decode steps
                     more = draft_answers(model, rng.sample(prompts, 4 * args.batch), sub_t, window,
                                          args.policy_max_new, tcfg.pad_token_id, tcfg.eos_token_id,
@@ -418,11 +426,11 @@ def main() -> None:
                        else text[rng.sample(range(len(text)), args.batch)].long())
                 mask = torch.ones(ids.shape, dtype=torch.bool)
                 mask[:, -1] = False
-            if draw < args.policy_share + args.online_share:
+            if kind != "text":
                 with torch.no_grad():
                     teacher_logits = output_logits(teacher, ids, sub_t)
                 loss, agree = online_loss(output_logits(model, ids, sub_t), teacher_logits, mask, args.ce_weight)
-                if draw >= args.policy_share:
+                if kind == "online":
                     online_tokens += int(mask.sum())
                 if args.replay:  # keep the target's top log-probs of these windows for later passes
                     top = torch.log_softmax(teacher_logits.float(), dim=-1).topk(args.replay_k, dim=-1)
