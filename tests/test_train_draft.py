@@ -103,3 +103,33 @@ def test_draft_answers_leave_the_model_in_its_mode():
         model.train(mode)
         train_draft.draft_answers(model, prompts_of(5, 2), None, 16, 3, EOS, EOS)
         assert model.training is mode
+
+
+def test_parse_mix_normalises_shares_and_rejects_unknown_sources():
+    assert train_draft.parse_mix("shakespeare:1") == [("shakespeare", 1.0)]
+    assert train_draft.parse_mix("shakespeare:3,sotu:1") == [("shakespeare", 0.75), ("sotu", 0.25)]
+    for bad in ("gutenberg:1", "shakespeare:0", "shakespeare:-1,sotu:2"):
+        with pytest.raises(ValueError, match="bad --corpus"):
+            train_draft.parse_mix(bad)
+
+
+def test_corpus_windows_are_one_sources_text_cut_and_cached(tmp_path, monkeypatch):
+    """Each source is tokenized on its own, cut into whole windows, and cached under its own name."""
+    from transformers import AutoTokenizer
+
+    tok_dir = bundled.target_dir()
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    texts = {"a": [("a:1", "The first text. " * 40), ("a:2", "A second one, shorter. " * 30)],
+             "b": [("b:1", "Quite another source altogether. " * 50)]}
+    monkeypatch.setattr(train_draft.pd_corpus, "CACHE", tmp_path)
+    monkeypatch.setattr(train_draft.pd_corpus, "SOURCES", {k: (lambda v=v: v) for k, v in texts.items()})
+    for name, pairs in texts.items():
+        windows = train_draft.corpus_windows(tok_dir, 16, name)
+        expect = []
+        for _, text in pairs:
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            expect += [ids[i:i + 16] for i in range(0, len(ids) - 15, 16)]
+        assert windows.tolist() == expect
+        assert (tmp_path / f"corpus-ids-{name}-16.pt").is_file()
+    monkeypatch.setattr(train_draft.pd_corpus, "SOURCES", {})  # a second call reads the cache only
+    assert train_draft.corpus_windows(tok_dir, 16, "b").shape[1] == 16
