@@ -444,6 +444,7 @@ def main() -> None:
                 del answered[:args.batch]
                 policy_tokens += int(mask.sum())
             else:
+                # one source draws nothing, so runs from before --corpus replay their random stream
                 source = mix[0][0] if len(mix) == 1 else rng.choices(*zip(*mix))[0]
                 ids = (random_windows(streams[source], args.batch, window, rng) if args.offsets == "random"
                        else texts[source][rng.sample(range(len(texts[source])), args.batch)].long())
