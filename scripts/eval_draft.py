@@ -40,7 +40,7 @@ import pd_corpus
 
 sys.path.insert(0, str(pd_corpus.REPO_ROOT))
 from specextend import bundled  # noqa: E402
-from specextend.models import read_output_vocab, reduce_output_vocab  # noqa: E402
+from specextend.models import load_model, read_output_vocab  # noqa: E402
 
 CACHE = pd_corpus.CACHE / "eval"
 
@@ -138,7 +138,7 @@ def main() -> None:
     ddir = Path(args.draft) if args.draft else bundled.draft_dir()
     tok = AutoTokenizer.from_pretrained(tdir)
     target = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()
-    draft = reduce_output_vocab(AutoModelForCausalLM.from_pretrained(ddir, dtype=torch.float32), ddir).eval()
+    draft = load_model(ddir, torch.device("cpu"), torch.float32, target=target)
     result: dict = {"draft": str(ddir), "threads": args.threads}
 
     docs = [d for d in bundled.documents() if d.split == "eval"]

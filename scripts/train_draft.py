@@ -37,6 +37,7 @@ with the tokenizer files and a training record (train_record.json).
 from __future__ import annotations
 
 import argparse
+import copy
 import glob
 import itertools
 import json
@@ -92,6 +93,21 @@ def init_from_target(model, target_embed: torch.Tensor, hidden: int) -> None:
     proj = (e - mean) @ v[:hidden].T  # (V, hidden)
     proj = proj / proj.std() * 0.05
     model.model.embed_tokens.weight.data.copy_(proj)
+
+
+def cut_target(target, keep: list[int]):
+    """A draft cut from the target: its embedding, the layers listed in `keep` (renumbered 0..), its final
+    norm. The embedding (tied to the output layer) stays the target's: frozen here, not saved, and filled in
+    from the target when the draft is loaded (config `shared_embedding`)."""
+    model = copy.deepcopy(target)
+    model.model.layers = torch.nn.ModuleList([model.model.layers[i] for i in keep])
+    for j, layer in enumerate(model.model.layers):
+        layer.self_attn.layer_idx = j
+    model.config.num_hidden_layers = len(keep)
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[: len(keep)]
+    model.config.shared_embedding = True
+    return model
 
 
 def load_shards(folder: Path):
@@ -276,9 +292,11 @@ def save(model, out: Path, record: dict, sub: list[int] | None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / (out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    half = model.to(torch.bfloat16)
-    half.save_pretrained(str(tmp), safe_serialization=True)
-    model.to(torch.float32)
+    half = copy.deepcopy(model).to(torch.bfloat16)  # a copy: training goes on in float32
+    state = None
+    if getattr(model.config, "shared_embedding", False):  # the loader takes the embedding from the target
+        state = {k: v for k, v in half.state_dict().items() if k not in ("model.embed_tokens.weight", "lm_head.weight")}
+    half.save_pretrained(str(tmp), safe_serialization=True, state_dict=state)
     tdir = bundled.target_dir()
     for name in TOKENIZER_FILES:
         if (tdir / name).is_file():
@@ -332,6 +350,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(pd_corpus.REPO_ROOT / "assets" / "models" / bundled.DRAFT_NAME))
     ap.add_argument("--max-steps", type=int, default=0)
     ap.add_argument("--init", default=None, help="continue from the weights in this draft folder")
+    ap.add_argument("--cut", default=None,
+                    help="start from the target's own layers listed here (e.g. 0,1,2,3), its embedding and final "
+                         "norm; the embedding stays the target's (frozen, not saved)")
     ap.add_argument("--vocab", type=int, default=0,
                     help="output vocabulary size (0: the target's whole vocabulary); an --init folder's own wins")
     args = ap.parse_args()
@@ -351,18 +372,24 @@ def main() -> None:
     tdir = bundled.target_dir()
     tcfg = AutoConfig.from_pretrained(tdir)
     cfg = draft_config(tcfg, args.layers, args.hidden, args.heads, args.kv_heads, args.ff)
+    teacher = None
+    if args.online_share + args.policy_share > 0 or args.cut:
+        teacher = LlamaForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()
     if args.init:  # continue a previous run (its architecture wins over the flags)
         model = LlamaForCausalLM.from_pretrained(args.init, dtype=torch.float32)
+        cfg = model.config
+    elif args.cut:
+        model = cut_target(teacher, [int(i) for i in args.cut.split(",")])
         cfg = model.config
     else:
         model = LlamaForCausalLM(cfg)
         with safe_open(str(tdir / "model.safetensors"), "pt") as f:
             init_from_target(model, f.get_tensor("model.embed_tokens.weight"), args.hidden)
         model.tie_weights()
+    if getattr(cfg, "shared_embedding", False):  # the target's embedding: frozen, and never saved
+        model.model.embed_tokens.weight.data.copy_(teacher.model.embed_tokens.weight)
+        model.model.embed_tokens.weight.requires_grad_(False)
     nparams = sum(p.numel() for p in model.parameters())
-    teacher = None
-    if args.online_share + args.policy_share > 0:
-        teacher = LlamaForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()
 
     rows, kinds = load_shards(Path(args.teacher))
     val = [i for i, r in enumerate(rows) if r[0] == "plain"][-8:]  # held back from training
@@ -392,15 +419,17 @@ def main() -> None:
     print(f"params {nparams} rows {kinds} train {len(train)} val {len(val)} text windows { {n: len(t) for n, t in texts.items()} } "
           f"output vocabulary {len(sub) if sub else cfg.vocab_size}", flush=True)
 
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    trained = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trained if p.dim() >= 2]
+    no_decay = [p for p in trained if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
     record = {
-        "architecture": "LlamaForCausalLM", "params": nparams, "layers": args.layers, "hidden": args.hidden,
-        "heads": args.heads, "kv_heads": args.kv_heads, "ff": args.ff, "seed": args.seed,
+        "architecture": "LlamaForCausalLM", "params": nparams, "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
+        "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads, "ff": cfg.intermediate_size,
+        "cut_from_target": args.cut, "seed": args.seed,
         "max_positions_trained": int(rows[0][1].shape[0]), "teacher_rows": kinds,
-        "command": "python " + " ".join(sys.argv), "init": args.init or "target embedding PCA", "lr": args.lr, "batch": args.batch,
+        "command": "python " + " ".join(sys.argv), "init": args.init or ("target layers " + args.cut if args.cut else "target embedding PCA"), "lr": args.lr, "batch": args.batch,
         "ce_weight": args.ce_weight, "chat_weight": args.chat_weight, "text_share": args.text_share,
         "online_share": args.online_share,
         "policy_share": args.policy_share, "policy_max_new": args.policy_max_new,

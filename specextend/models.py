@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers.utils import logging as hf_logging
 
 from . import attention
 from .cache import KVCache
@@ -79,14 +81,21 @@ def _source_kwargs(source: str | Path) -> tuple[str, dict]:
     return str(source), {}
 
 
-def load_model(source: str | Path, device: torch.device, dtype: torch.dtype, device_map: str | None = None) -> PreTrainedModel:
+def load_model(
+    source: str | Path, device: torch.device, dtype: torch.dtype, device_map: str | None = None,
+    target: PreTrainedModel | None = None,
+) -> PreTrainedModel:
+    """Load a model folder, GGUF or hub id. A draft cut from its target (config `shared_embedding`) ships
+    without an embedding and takes `target`'s."""
     name, extra = _source_kwargs(source)
-    model = AutoModelForCausalLM.from_pretrained(
-        name, dtype=dtype, attn_implementation=attention.IMPLEMENTATION, trust_remote_code=False,
-        device_map=device_map, **extra,
-    )
+    with _quiet_load_report(cuts_from_target(Path(name))):  # its missing embedding is expected, not a fault
+        model = AutoModelForCausalLM.from_pretrained(
+            name, dtype=dtype, attn_implementation=attention.IMPLEMENTATION, trust_remote_code=False,
+            device_map=device_map, **extra,
+        )
     if model.config.model_type not in SUPPORTED:
         raise ValueError(f"{source}: model type {model.config.model_type!r} is not one of {', '.join(SUPPORTED)}")
+    share_embedding(model, target, source)
     reduce_output_vocab(model, Path(name))
     if device_map is None:
         model.to(device)
@@ -115,6 +124,37 @@ class ReducedVocabHead(torch.nn.Module):
         out = hidden.new_full((*hidden.shape[:-1], self.out_features), float("-inf"))
         out[..., self.ids] = self.rows(hidden)
         return out
+
+
+def cuts_from_target(folder: Path) -> bool:
+    """Whether a model folder holds a draft that takes its embedding from its target (config `shared_embedding`)."""
+    config = folder / "config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get("shared_embedding", False))
+
+
+@contextmanager
+def _quiet_load_report(quiet: bool):
+    """Silence transformers' warnings (its report of missing weights) while `quiet`."""
+    level = hf_logging.get_verbosity()
+    if quiet:
+        hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def share_embedding(draft: PreTrainedModel, target: PreTrainedModel | None, source: str | Path = "the draft") -> None:
+    """Give a draft whose config says `shared_embedding` its target's input embedding (and, tied, output layer)."""
+    if not getattr(draft.config, "shared_embedding", False):
+        return
+    if target is None:
+        raise ValueError(f"{source} takes its embedding from its target: load it together with the target")
+    embedding = target.get_input_embeddings()
+    if embedding.weight.shape != draft.get_input_embeddings().weight.shape:
+        raise ValueError(f"{source} was cut from a target with another embedding shape than this target's")
+    draft.set_input_embeddings(embedding)
+    draft.get_output_embeddings().weight = embedding.weight
 
 
 def read_output_vocab(folder: Path) -> list[int] | None:
@@ -191,7 +231,7 @@ def load_pair(
     spread = dev.type == "cuda" and torch.cuda.device_count() > 1
     target_model = load_model(target, dev, dt, device_map="auto" if spread else None)
     first = next(target_model.parameters()).device
-    draft_model = load_model(draft, first, dt) if draft is not None else None
+    draft_model = load_model(draft, first, dt, target=target_model) if draft is not None else None
     return make_pair(target_model, draft_model, time.perf_counter() - start)
 
 

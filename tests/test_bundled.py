@@ -15,9 +15,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors import safe_open
 
 from specextend import bundled, needle
-from specextend.models import read_output_vocab, reduce_output_vocab
+from specextend.models import load_model, read_output_vocab
 
 # ---------------------------------------------------------------- needle (pure text)
 
@@ -161,6 +162,10 @@ def test_draft_dir_is_committed():
     assert cfg["architectures"] == ["LlamaForCausalLM"]
     assert cfg["vocab_size"] == 49152 and cfg["tie_word_embeddings"] is True
     assert (d / "model.safetensors").stat().st_size < 45 * 2**20
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    # a draft cut from the target ships without the embedding it takes from the target when loaded
+    assert ("model.embed_tokens.weight" in names) != bool(cfg.get("shared_embedding"))
     assert (d / "README.md").is_file() and (d / "tokenizer.json").is_file()
     ids = read_output_vocab(d)  # the draft's output vocabulary
     assert ids is not None
@@ -177,7 +182,7 @@ def real_pair():
     tdir, ddir = bundled.default_pair()
     tok = AutoTokenizer.from_pretrained(tdir)
     target = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()
-    draft = reduce_output_vocab(AutoModelForCausalLM.from_pretrained(ddir, dtype=torch.float32), ddir).eval()
+    draft = load_model(ddir, torch.device("cpu"), torch.float32, target=target)
     return tok, target, draft  # the draft as the engine loads it: logits only over its output vocabulary
 
 

@@ -133,3 +133,38 @@ def test_corpus_windows_are_one_sources_text_cut_and_cached(tmp_path, monkeypatc
         assert (tmp_path / f"corpus-ids-{name}-16.pt").is_file()
     monkeypatch.setattr(train_draft.pd_corpus, "SOURCES", {})  # a second call reads the cache only
     assert train_draft.corpus_windows(tok_dir, 16, "b").shape[1] == 16
+
+
+def test_a_draft_cut_from_the_target_ships_without_its_embedding_and_loads_with_the_target(tmp_path, monkeypatch):
+    from safetensors import safe_open
+
+    from specextend.models import load_model
+
+    target = tiny_llama()
+    for p in target.parameters():  # bf16-exact weights: saving loses nothing (buffers such as RoPE's stay float32)
+        p.data = p.data.bfloat16().float()
+    target.config.tie_word_embeddings = True
+    target.tie_weights()
+    draft = train_draft.cut_target(target, [1])
+    assert target.config.num_hidden_layers == 2 and len(target.model.layers) == 2  # the target is untouched
+    assert draft.config.num_hidden_layers == 1 and draft.model.layers[0].self_attn.layer_idx == 0
+    assert torch.equal(draft.model.layers[0].mlp.up_proj.weight, target.model.layers[1].mlp.up_proj.weight)
+    ids = torch.randint(3, 47, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = draft(input_ids=ids).logits  # (1, 12, 48)
+
+    monkeypatch.setattr(train_draft.bundled, "target_dir", lambda: tmp_path / "no-tokenizer")
+    out = tmp_path / "draft"
+    train_draft.save(draft, out, {"steps": 0}, sub=None)
+    assert draft.model.embed_tokens.weight.dtype == torch.float32  # saving leaves the trained model alone
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.0.mlp.up_proj.weight" in names
+    assert not names & {"model.embed_tokens.weight", "lm_head.weight"}
+
+    with pytest.raises(ValueError, match="together with the target"):
+        load_model(out, torch.device("cpu"), torch.float32)
+    loaded = load_model(out, torch.device("cpu"), torch.float32, target=target)
+    assert loaded.get_input_embeddings() is target.get_input_embeddings()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
