@@ -55,7 +55,7 @@ import pd_corpus
 
 sys.path.insert(0, str(pd_corpus.REPO_ROOT))
 from specextend import bundled  # noqa: E402
-from specextend.models import DRAFT_VOCAB_FILE, read_output_vocab  # noqa: E402
+from specextend.models import DRAFT_VOCAB_FILE, SHARED_EMBEDDING, cuts_from_target, read_output_vocab, share_embedding  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -106,7 +106,7 @@ def cut_target(target, keep: list[int]):
     model.config.num_hidden_layers = len(keep)
     if getattr(model.config, "layer_types", None):
         model.config.layer_types = model.config.layer_types[: len(keep)]
-    model.config.shared_embedding = True
+    setattr(model.config, SHARED_EMBEDDING, True)
     return model
 
 
@@ -294,7 +294,7 @@ def save(model, out: Path, record: dict, sub: list[int] | None) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     half = copy.deepcopy(model).to(torch.bfloat16)  # a copy: training goes on in float32
     state = None
-    if getattr(model.config, "shared_embedding", False):  # the loader takes the embedding from the target
+    if getattr(model.config, SHARED_EMBEDDING, False):  # the loader takes the embedding from the target
         state = {k: v for k, v in half.state_dict().items() if k not in ("model.embed_tokens.weight", "lm_head.weight")}
     half.save_pretrained(str(tmp), safe_serialization=True, state_dict=state)
     tdir = bundled.target_dir()
@@ -373,7 +373,7 @@ def main() -> None:
     tcfg = AutoConfig.from_pretrained(tdir)
     cfg = draft_config(tcfg, args.layers, args.hidden, args.heads, args.kv_heads, args.ff)
     teacher = None
-    if args.online_share + args.policy_share > 0 or args.cut:
+    if args.online_share + args.policy_share > 0 or args.cut or (args.init and cuts_from_target(Path(args.init))):
         teacher = LlamaForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()
     if args.init:  # continue a previous run (its architecture wins over the flags)
         model = LlamaForCausalLM.from_pretrained(args.init, dtype=torch.float32)
@@ -386,9 +386,9 @@ def main() -> None:
         with safe_open(str(tdir / "model.safetensors"), "pt") as f:
             init_from_target(model, f.get_tensor("model.embed_tokens.weight"), args.hidden)
         model.tie_weights()
-    if getattr(cfg, "shared_embedding", False):  # the target's embedding: frozen, and never saved
-        model.model.embed_tokens.weight.data.copy_(teacher.model.embed_tokens.weight)
-        model.model.embed_tokens.weight.requires_grad_(False)
+    if getattr(cfg, SHARED_EMBEDDING, False):  # the target's embedding, as the loader gives it: frozen, never saved
+        share_embedding(model, teacher, args.init or "the cut")
+        model.get_input_embeddings().weight.requires_grad_(False)
     nparams = sum(p.numel() for p in model.parameters())
 
     rows, kinds = load_shards(Path(args.teacher))

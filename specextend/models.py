@@ -23,6 +23,7 @@ from .cache import KVCache
 
 SUPPORTED = ("llama", "qwen2", "mistral")
 DRAFT_VOCAB_FILE = "draft_vocab.json"  # a model folder's output vocabulary, {"size": N, "ids": [...]}
+SHARED_EMBEDDING = "shared_embedding"  # config key of a draft cut from its target: it takes the target's embedding
 # CPU default: fp32. On the project's AVX2 machine (no native bf16) a bf16 forward of the 135M target ran
 # 4-5x slower than fp32 (README, "Exactness"); bf16 stays available with dtype="bfloat16".
 CPU_DTYPE = torch.float32
@@ -129,7 +130,7 @@ class ReducedVocabHead(torch.nn.Module):
 def cuts_from_target(folder: Path) -> bool:
     """Whether a model folder holds a draft that takes its embedding from its target (config `shared_embedding`)."""
     config = folder / "config.json"
-    return config.is_file() and bool(json.loads(config.read_text()).get("shared_embedding", False))
+    return config.is_file() and bool(json.loads(config.read_text()).get(SHARED_EMBEDDING, False))
 
 
 @contextmanager
@@ -146,7 +147,7 @@ def _quiet_load_report(quiet: bool):
 
 def share_embedding(draft: PreTrainedModel, target: PreTrainedModel | None, source: str | Path = "the draft") -> None:
     """Give a draft whose config says `shared_embedding` its target's input embedding (and, tied, output layer)."""
-    if not getattr(draft.config, "shared_embedding", False):
+    if not getattr(draft.config, SHARED_EMBEDDING, False):
         return
     if target is None:
         raise ValueError(f"{source} takes its embedding from its target: load it together with the target")
