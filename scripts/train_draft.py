@@ -110,6 +110,33 @@ def cut_target(target, keep: list[int]):
     return model
 
 
+def grow_layers(model, total: int):
+    """Deepen `model` to `total` layers without changing its function: each new block copies the input
+    weights of the block it follows (norms, q/k/v, gate/up) and starts with zero output projections
+    (o_proj, down_proj), so it adds nothing to the residual stream until training moves those. The new
+    blocks are spread evenly through the stack."""
+    layers = list(model.model.layers)
+    extra = total - len(layers)
+    if extra < 0:
+        raise ValueError(f"cannot grow {len(layers)} layers to {total}")
+    after = [math.ceil((i + 1) * len(layers) / (extra + 1)) - 1 for i in range(extra)]  # each follows this block
+    grown = []
+    for i, layer in enumerate(layers):
+        grown.append(layer)
+        for _ in range(after.count(i)):
+            block = copy.deepcopy(layer)
+            torch.nn.init.zeros_(block.self_attn.o_proj.weight)
+            torch.nn.init.zeros_(block.mlp.down_proj.weight)
+            grown.append(block)
+    model.model.layers = torch.nn.ModuleList(grown)
+    for j, layer in enumerate(model.model.layers):
+        layer.self_attn.layer_idx = j
+    model.config.num_hidden_layers = total
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = [model.config.layer_types[0]] * total
+    return model
+
+
 def load_shards(folder: Path):
     """Rows of (kind, input_ids (T,), topk_ids (T, K), topk_logp (T, K), loss mask (T,))."""
     rows = []
@@ -353,9 +380,13 @@ def main() -> None:
     ap.add_argument("--cut", default=None,
                     help="start from the target's own layers listed here (e.g. 0,1,2,3), its embedding and final "
                          "norm; the embedding stays the target's (frozen, not saved)")
+    ap.add_argument("--grow", type=int, default=0,
+                    help="deepen the --init draft to this many layers (new blocks start as identities)")
     ap.add_argument("--vocab", type=int, default=0,
                     help="output vocabulary size (0: the target's whole vocabulary); an --init folder's own wins")
     args = ap.parse_args()
+    if args.grow and not args.init:
+        ap.error("--grow deepens an --init draft")
     if args.policy_temperature <= 0:
         ap.error("--policy-temperature must be above 0")
     try:
@@ -377,6 +408,8 @@ def main() -> None:
         teacher = LlamaForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()
     if args.init:  # continue a previous run (its architecture wins over the flags)
         model = LlamaForCausalLM.from_pretrained(args.init, dtype=torch.float32)
+        if args.grow:
+            grow_layers(model, args.grow)
         cfg = model.config
     elif args.cut:
         model = cut_target(teacher, [int(i) for i in args.cut.split(",")])
@@ -429,7 +462,7 @@ def main() -> None:
         "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads, "ff": cfg.intermediate_size,
         "cut_from_target": args.cut, "seed": args.seed,
         "max_positions_trained": int(rows[0][1].shape[0]), "teacher_rows": kinds,
-        "command": "python " + " ".join(sys.argv), "init": args.init or ("target layers " + args.cut if args.cut else "target embedding PCA"), "lr": args.lr, "batch": args.batch,
+        "command": "python " + " ".join(sys.argv), "grown_to": args.grow or None, "init": args.init or ("target layers " + args.cut if args.cut else "target embedding PCA"), "lr": args.lr, "batch": args.batch,
         "ce_weight": args.ce_weight, "chat_weight": args.chat_weight, "text_share": args.text_share,
         "online_share": args.online_share,
         "policy_share": args.policy_share, "policy_max_new": args.policy_max_new,

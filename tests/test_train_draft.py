@@ -168,3 +168,37 @@ def test_a_draft_cut_from_the_target_ships_without_its_embedding_and_loads_with_
     assert loaded.get_input_embeddings() is target.get_input_embeddings()
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("total, order", [(2, [0, 1]), (3, [0, 0, 1]), (5, [0, 0, 0, 1, 1]), (4, [0, 0, 1, 1])])
+def test_growing_a_draft_deepens_it_without_changing_its_output(tmp_path, monkeypatch, total, order):
+    from specextend.models import load_model
+
+    model = tiny_llama()
+    for p in model.parameters():  # bf16-exact weights: saving loses nothing
+        p.data = p.data.bfloat16().float()
+    old = list(model.model.layers)
+    ids = torch.randint(3, 47, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits  # (2, 12, 48)
+    train_draft.grow_layers(model, total)
+    layers = model.model.layers
+    assert model.config.num_hidden_layers == len(layers) == total
+    assert [j.self_attn.layer_idx for j in layers] == list(range(total))
+    kept = [j for j in layers if any(j is o for o in old)]
+    assert kept == old  # the old blocks, in order
+    for j, source in zip(layers, order):  # each new block copies the input side of the block before it
+        assert torch.equal(j.self_attn.q_proj.weight, old[source].self_attn.q_proj.weight)
+        new = not any(j is o for o in old)
+        assert new == bool((j.self_attn.o_proj.weight == 0).all() and (j.mlp.down_proj.weight == 0).all())
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="cannot grow"):
+        train_draft.grow_layers(model, total - 1)
+
+    monkeypatch.setattr(train_draft.bundled, "target_dir", lambda: tmp_path / "no-tokenizer")
+    train_draft.save(model, tmp_path / "grown", {"steps": 0}, sub=None)
+    loaded = load_model(tmp_path / "grown", torch.device("cpu"), torch.float32)
+    assert loaded.config.num_hidden_layers == total
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
