@@ -27,6 +27,8 @@ argmax. Batches come in four kinds:
 Online, on-policy and text windows come from the text sources of --corpus (scripts/pd_corpus.py
 SOURCES) in the shares it gives: each batch draws its source, and on-policy prompts are made from
 each source in proportion.
+With --init, --grow N deepens the loaded draft to N layers first (grow_layers: each new block starts as an
+identity, so training resumes from the same predictions with more capacity).
 The learning rate follows a cosine over the wall-clock budget, so a run of --minutes ends annealed.
 Every --save-every minutes and at the end the weights are written (bfloat16 safetensors) to --out
 with the tokenizer files and a training record (train_record.json).
