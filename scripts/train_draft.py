@@ -102,14 +102,20 @@ def cut_target(target, keep: list[int]):
     norm. The embedding (tied to the output layer) stays the target's: frozen here, not saved, and filled in
     from the target when the draft is loaded (config `shared_embedding`)."""
     model = copy.deepcopy(target)
-    model.model.layers = torch.nn.ModuleList([model.model.layers[i] for i in keep])
-    for j, layer in enumerate(model.model.layers):
-        layer.self_attn.layer_idx = j
-    model.config.num_hidden_layers = len(keep)
-    if getattr(model.config, "layer_types", None):
-        model.config.layer_types = model.config.layer_types[: len(keep)]
+    restack(model, [model.model.layers[i] for i in keep], keep)
     setattr(model.config, SHARED_EMBEDDING, True)
     return model
+
+
+def restack(model, blocks: list, sources: list[int]) -> None:
+    """Make `blocks` the model's decoder stack; block j came from old block sources[j], whose layer type it keeps."""
+    types = getattr(model.config, "layer_types", None)
+    model.model.layers = torch.nn.ModuleList(blocks)
+    for j, block in enumerate(blocks):
+        block.self_attn.layer_idx = j
+    model.config.num_hidden_layers = len(blocks)
+    if types:
+        model.config.layer_types = [types[i] for i in sources]
 
 
 def grow_layers(model, total: int):
@@ -122,7 +128,7 @@ def grow_layers(model, total: int):
     if extra < 0:
         raise ValueError(f"cannot grow {len(layers)} layers to {total}")
     after = [math.ceil((i + 1) * len(layers) / (extra + 1)) - 1 for i in range(extra)]  # each follows this block
-    grown = []
+    grown, sources = [], []
     for i, layer in enumerate(layers):
         grown.append(layer)
         for _ in range(after.count(i)):
@@ -130,12 +136,8 @@ def grow_layers(model, total: int):
             torch.nn.init.zeros_(block.self_attn.o_proj.weight)
             torch.nn.init.zeros_(block.mlp.down_proj.weight)
             grown.append(block)
-    model.model.layers = torch.nn.ModuleList(grown)
-    for j, layer in enumerate(model.model.layers):
-        layer.self_attn.layer_idx = j
-    model.config.num_hidden_layers = total
-    if getattr(model.config, "layer_types", None):
-        model.config.layer_types = [model.config.layer_types[0]] * total
+        sources += [i] * (1 + after.count(i))
+    restack(model, grown, sources)
     return model
 
 
