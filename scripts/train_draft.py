@@ -203,17 +203,19 @@ def draft_answers(model, prompts: list[list[int]], rows, window: int, max_new: i
     both). An answer ends after eos, after `max_new` tokens, or where its window is full, so no position
     past `window` - 1 is ever sampled. Right padding needs no attention mask in training: a causal
     model never looks ahead. Tokens are drawn from the draft's softmax over its output vocabulary
-    (`rows`, or the whole vocabulary when None); `temperature` must be above 0."""
+    (`rows`, or the whole vocabulary when None); `temperature` must be above 0. Sampling runs on the
+    model's device; the windows come back on the CPU."""
     from transformers import DynamicCache
 
+    dev = model.device
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # (B, width), left-padded
-    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=dev)  # (B, width), left-padded
+    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=dev)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    room = torch.tensor([min(max_new, window - len(p)) for p in prompts])  # answer tokens each row may take
+    room = torch.tensor([min(max_new, window - len(p)) for p in prompts], device=dev)  # answer tokens each row may take
     head = output_rows(model, rows)  # (V_out, H)
     cache = DynamicCache(config=model.config)
-    answers = torch.empty((len(prompts), 0), dtype=torch.long)
+    answers = torch.empty((len(prompts), 0), dtype=torch.long, device=dev)
     done = room <= 0
     was_training = model.training
     model.eval()
@@ -229,6 +231,7 @@ def draft_answers(model, prompts: list[list[int]], rows, window: int, max_new: i
             pos = pos[:, -1:] + 1
     finally:
         model.train(was_training)
+    answers, room = answers.cpu(), room.cpu()
     out = torch.full((len(prompts), window), pad, dtype=torch.long)
     mask = torch.zeros((len(prompts), window), dtype=torch.bool)
     for j, p in enumerate(prompts):
@@ -323,7 +326,7 @@ def save(model, out: Path, record: dict, sub: list[int] | None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / (out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    half = copy.deepcopy(model).to(torch.bfloat16)  # a copy: training goes on in float32
+    half = copy.deepcopy(model).to("cpu", torch.bfloat16)  # a copy: training goes on in float32
     state = None
     if getattr(model.config, SHARED_EMBEDDING, False):  # the loader takes the embedding from the target
         state = {k: v for k, v in half.state_dict().items() if k not in ("model.embed_tokens.weight", "lm_head.weight")}
@@ -377,6 +380,9 @@ def main() -> None:
                          "shakespeare:0.5,sotu:0.5 (sources: scripts/pd_corpus.py SOURCES)")
     ap.add_argument("--save-every", type=float, default=10.0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu",
+                    help="where the target and the draft run, e.g. cuda (the labelled windows kept for replay stay on "
+                         "the CPU)")
     ap.add_argument("--teacher", default=str(pd_corpus.CACHE / "teacher"))
     ap.add_argument("--out", default=str(pd_corpus.REPO_ROOT / "assets" / "models" / bundled.DRAFT_NAME))
     ap.add_argument("--max-steps", type=int, default=0)
@@ -399,6 +405,7 @@ def main() -> None:
         ap.error(str(e))
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    dev = torch.device(args.device)
     rng = random.Random(args.seed)
 
     from transformers import AutoConfig, LlamaForCausalLM
@@ -409,7 +416,7 @@ def main() -> None:
     cfg = draft_config(tcfg, args.layers, args.hidden, args.heads, args.kv_heads, args.ff)
     teacher = None
     if args.online_share + args.policy_share > 0 or args.cut or (args.init and cuts_from_target(Path(args.init))):
-        teacher = LlamaForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()
+        teacher = LlamaForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval().to(dev)
     if args.init:  # continue a previous run (its architecture wins over the flags)
         model = LlamaForCausalLM.from_pretrained(args.init, dtype=torch.float32)
         if args.grow:
@@ -426,6 +433,7 @@ def main() -> None:
     if getattr(cfg, SHARED_EMBEDDING, False):  # the target's embedding, as the loader gives it: frozen, never saved
         share_embedding(model, teacher, args.init or "the cut")
         model.get_input_embeddings().weight.requires_grad_(False)
+    model.to(dev)
     nparams = sum(p.numel() for p in model.parameters())
 
     rows, kinds = load_shards(Path(args.teacher))
@@ -450,9 +458,9 @@ def main() -> None:
         sub = ranked_vocab(args.vocab, torch.cat(list(texts.values())), rows, cfg.vocab_size)
     sub_t, position = None, None
     if sub is not None:
-        sub_t = torch.tensor(sub)
-        position = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
-        position[sub_t] = torch.arange(len(sub))
+        sub_t = torch.tensor(sub, device=dev)
+        position = torch.full((cfg.vocab_size,), -1, dtype=torch.long, device=dev)
+        position[sub_t] = torch.arange(len(sub), device=dev)
     print(f"params {nparams} rows {kinds} train {len(train)} val {len(val)} text windows { {n: len(t) for n, t in texts.items()} } "
           f"output vocabulary {len(sub) if sub else cfg.vocab_size}", flush=True)
 
@@ -470,7 +478,7 @@ def main() -> None:
         "ce_weight": args.ce_weight, "chat_weight": args.chat_weight, "text_share": args.text_share,
         "online_share": args.online_share,
         "policy_share": args.policy_share, "policy_max_new": args.policy_max_new,
-        "policy_temperature": args.policy_temperature, "offsets": args.offsets, "corpus": dict(mix), "replay": args.replay, "replay_k": args.replay_k, "threads": args.threads,
+        "policy_temperature": args.policy_temperature, "offsets": args.offsets, "corpus": dict(mix), "replay": args.replay, "replay_k": args.replay_k, "threads": args.threads, "device": args.device,
         "output_vocabulary": len(sub) if sub else cfg.vocab_size, "log": [],
     }
     start = time.time()
@@ -516,6 +524,7 @@ def main() -> None:
                        else texts[source][rng.sample(range(len(texts[source])), args.batch)].long())
                 mask = torch.ones(ids.shape, dtype=torch.bool)
                 mask[:, -1] = False
+            ids, mask = ids.to(dev), mask.to(dev)
             if kind != "text":
                 with torch.no_grad():
                     teacher_logits = output_logits(teacher, ids, sub_t)
@@ -524,19 +533,20 @@ def main() -> None:
                     online_tokens += int(mask.sum())
                 if args.replay:  # keep the target's top log-probs of these windows for later passes
                     top = torch.log_softmax(teacher_logits.float(), dim=-1).topk(args.replay_k, dim=-1)
-                    replay += zip(ids.to(torch.int32), top.indices.to(torch.int32), top.values.half(), mask)
+                    replay += zip(ids.to("cpu", torch.int32), top.indices.to("cpu", torch.int32),
+                                  top.values.to("cpu", torch.half), mask.cpu())
             else:
                 loss = text_loss(model(input_ids=ids).logits, ids)  # the full head: real text may be anywhere
                 text_tokens += int(mask.sum())
         else:
             pick = rng.choices(train, weights=weights, k=args.batch)
-            ids, tid, tlp, mask = batch_of(rows, pick)
+            ids, tid, tlp, mask = (x.to(dev) for x in batch_of(rows, pick))
             tid, tlp, mask = to_output_ids(tid, tlp, mask, position)
             loss, agree = loss_fn(output_logits(model, ids, sub_t), tid, tlp, mask, args.ce_weight)
         update(loss)
         for _ in range(args.replay if replay else 0):  # more passes over labels already paid for
             pick = rng.sample(range(len(replay)), min(args.batch, len(replay)))
-            rids, rtid, rtlp, rmask = (torch.stack(x) for x in zip(*(replay[i] for i in pick)))
+            rids, rtid, rtlp, rmask = (torch.stack(x).to(dev) for x in zip(*(replay[i] for i in pick)))
             rloss, _ = loss_fn(output_logits(model, rids.long(), sub_t), rtid.long(), rtlp.float(), rmask,
                                args.ce_weight)
             update(rloss)
@@ -547,7 +557,7 @@ def main() -> None:
         if step % 25 == 0 or done:
             model.eval()
             with torch.no_grad():
-                vids, vtid, vtlp, vmask = batch_of(rows, val)
+                vids, vtid, vtlp, vmask = (x.to(dev) for x in batch_of(rows, val))
                 vtid, vtlp, vmask = to_output_ids(vtid, vtlp, vmask, position)
                 vloss, vagree = loss_fn(output_logits(model, vids, sub_t), vtid, vtlp, vmask, args.ce_weight)
             model.train()
