@@ -130,13 +130,14 @@ def grow_layers(model, total: int):
     after = [math.ceil((i + 1) * len(layers) / (extra + 1)) - 1 for i in range(extra)]  # each follows this block
     grown, sources = [], []
     for i, layer in enumerate(layers):
+        copies = after.count(i)
         grown.append(layer)
-        for _ in range(after.count(i)):
+        for _ in range(copies):
             block = copy.deepcopy(layer)
             torch.nn.init.zeros_(block.self_attn.o_proj.weight)
             torch.nn.init.zeros_(block.mlp.down_proj.weight)
             grown.append(block)
-        sources += [i] * (1 + after.count(i))
+        sources += [i] * (1 + copies)
     restack(model, grown, sources)
     return model
 
@@ -243,12 +244,13 @@ def draft_answers(model, prompts: list[list[int]], rows, window: int, max_new: i
     return out, mask
 
 
-def batch_of(rows, pick):
+def batch_of(rows, pick, device):
+    """Teacher rows `pick` as (ids, top-k ids, top-k log-probs, loss mask) on `device`: (B, T) and (B, T, K)."""
     ids = torch.stack([rows[i][1] for i in pick]).long()
     tid = torch.stack([rows[i][2] for i in pick]).long()
     tlp = torch.stack([rows[i][3] for i in pick]).float()
     mask = torch.stack([rows[i][4] for i in pick])
-    return ids, tid, tlp, mask
+    return ids.to(device), tid.to(device), tlp.to(device), mask.to(device)
 
 
 def ranked_vocab(size: int, text: torch.Tensor, rows, vocab_size: int, corpus_share: float = 0.75) -> list[int]:
@@ -540,7 +542,7 @@ def main() -> None:
                 text_tokens += int(mask.sum())
         else:
             pick = rng.choices(train, weights=weights, k=args.batch)
-            ids, tid, tlp, mask = (x.to(dev) for x in batch_of(rows, pick))
+            ids, tid, tlp, mask = batch_of(rows, pick, dev)
             tid, tlp, mask = to_output_ids(tid, tlp, mask, position)
             loss, agree = loss_fn(output_logits(model, ids, sub_t), tid, tlp, mask, args.ce_weight)
         update(loss)
@@ -557,7 +559,7 @@ def main() -> None:
         if step % 25 == 0 or done:
             model.eval()
             with torch.no_grad():
-                vids, vtid, vtlp, vmask = (x.to(dev) for x in batch_of(rows, val))
+                vids, vtid, vtlp, vmask = batch_of(rows, val, dev)
                 vtid, vtlp, vmask = to_output_ids(vtid, vtlp, vmask, position)
                 vloss, vagree = loss_fn(output_logits(model, vids, sub_t), vtid, vtlp, vmask, args.ce_weight)
             model.train()
