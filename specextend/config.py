@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-Method = Literal["autoregressive", "speculative", "streaming", "specextend"]
-METHODS: tuple[str, ...] = ("autoregressive", "speculative", "streaming", "specextend")
+Method = Literal["autoregressive", "lookup", "speculative", "streaming", "specextend"]
+METHODS: tuple[str, ...] = ("autoregressive", "lookup", "speculative", "streaming", "specextend")
 PrefillKernel = Literal["fused", "eager"]
 VerifyKernel = Literal["hybrid", "masked"]
 
@@ -112,6 +112,44 @@ class RetrievalConfig:
 
 
 @dataclass(frozen=True)
+class LookupConfig:
+    """Lookup drafting: propose what followed the latest occurrences of the newest n-gram (prompt + output).
+
+    The longest suffix of max_ngram..min_ngram tokens that occurred before is matched; each match proposes the
+    up to `max_tokens` tokens that followed it; `branches` matches with distinct first tokens become branches,
+    ranked by `rank`: `recent` (latest occurrence first), `frequent` (the commonest next token first, ties to the
+    latest) or `first` (earliest occurrence first, as transformers' prompt lookup). `with_draft`: under a
+    draft-model method, `always` merges the model's draft into the same tree; `on_miss` drafts with the model
+    only in steps where lookup found nothing.
+    """
+
+    enabled: bool | None = None  # None: on exactly for method lookup; True adds lookup to a draft-model method
+    max_ngram: int = 4
+    min_ngram: int = 2
+    max_tokens: int = 8
+    branches: int = 1
+    rank: Literal["recent", "frequent", "first"] = "recent"
+    with_draft: Literal["always", "on_miss"] = "always"
+
+    def __post_init__(self) -> None:
+        if self.min_ngram < 1 or self.max_ngram < self.min_ngram:
+            raise ValueError(f"lookup n-grams need 1 <= min_ngram <= max_ngram, got {self.min_ngram}..{self.max_ngram}")
+        if self.max_tokens < 1:
+            raise ValueError(f"lookup max_tokens must be at least 1, got {self.max_tokens}")
+        if self.branches < 1:
+            raise ValueError(f"lookup branches must be at least 1, got {self.branches}")
+        if self.rank not in ("recent", "frequent", "first"):
+            raise ValueError(f"lookup rank must be 'recent', 'frequent' or 'first', got {self.rank!r}")
+        if self.with_draft not in ("always", "on_miss"):
+            raise ValueError(f"lookup with_draft must be 'always' or 'on_miss', got {self.with_draft!r}")
+
+    @property
+    def budget(self) -> int:
+        """Most lookup nodes one step can propose."""
+        return self.max_tokens * self.branches
+
+
+@dataclass(frozen=True)
 class AttentionConfig:
     """Which kernel each phase uses. The SpecExtend defaults are fused prefill and Hybrid Tree Attention."""
 
@@ -138,6 +176,7 @@ class GenerationConfig:
     draft: DraftConfig = field(default_factory=DraftConfig)
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
+    lookup: LookupConfig = field(default_factory=LookupConfig)
     cmr: bool | None = None  # None: on exactly for method specextend; an explicit value ablates it
 
     def __post_init__(self) -> None:
@@ -149,8 +188,12 @@ class GenerationConfig:
             raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.cmr and self.method in ("autoregressive", "streaming"):
+        if self.cmr and self.method in ("autoregressive", "lookup", "streaming"):
             raise ValueError(f"cmr cannot be switched on for method {self.method!r}")
+        if self.lookup.enabled and self.method == "autoregressive":
+            raise ValueError("lookup drafting cannot be switched on for the target alone (use method 'lookup')")
+        if self.lookup.enabled is False and self.method == "lookup":
+            raise ValueError("method 'lookup' is lookup drafting: it cannot be switched off")
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
 
     @property
@@ -159,7 +202,17 @@ class GenerationConfig:
 
     @property
     def uses_draft(self) -> bool:
-        return self.method != "autoregressive"
+        """Whether the draft model proposes (every method but the target alone and lookup alone)."""
+        return self.method not in ("autoregressive", "lookup")
+
+    @property
+    def uses_lookup(self) -> bool:
+        return self.method == "lookup" or bool(self.lookup.enabled)
+
+    @property
+    def tree_budget(self) -> int:
+        """Most draft nodes one step can send to the target."""
+        return (self.draft.budget if self.uses_draft else 0) + (self.lookup.budget if self.uses_lookup else 0)
 
     @property
     def draft_cache(self) -> Literal["full", "streaming", "cmr"]:
@@ -178,10 +231,11 @@ def preset(method: str, **changes) -> GenerationConfig:
 
     Standard speculative decoding and streaming use the kernels transformers gives a user by default
     (SDPA causal prefill, SDPA with a full boolean mask for verification): the honest baselines.
-    SpecExtend uses fused prefill, Hybrid Tree Attention and CMR. Any field can be overridden.
+    SpecExtend uses fused prefill, Hybrid Tree Attention and CMR; the target alone and lookup drafting (no draft
+    model) use the same kernels as SpecExtend. Any field can be overridden.
     """
     attention = AttentionConfig(prefill="fused", verify="hybrid" if method == "specextend" else "masked")
-    if method == "autoregressive":
+    if method in ("autoregressive", "lookup"):
         attention = AttentionConfig(prefill="fused", verify="hybrid")
     changes.setdefault("attention", attention)
     return GenerationConfig(method=method, **changes)

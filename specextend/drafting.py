@@ -24,6 +24,7 @@ import torch
 from .attention import AttentionPlan
 from .cache import KVCache, reposition
 from .config import DraftConfig, GenerationConfig
+from .events import SOURCES
 from .models import forward, rope_inv_freq
 from .retrieval import DraftCachePolicy, Selection
 from .verification import sampling_probs
@@ -34,13 +35,70 @@ class DraftTree:
     tokens: tuple[int, ...]
     parents: tuple[int, ...]  # -1: child of the root
     depths: tuple[int, ...]  # 1 for children of the root
-    probs: tuple[float, ...]  # q of each node's token
+    probs: tuple[float, ...]  # q of each node's token (1.0 for a lookup-only node)
     q: torch.Tensor | None  # (N+1, V) rows for the root and each node (sampling only; zero rows where unexpanded)
     forwards: int
+    sources: tuple[str, ...] = ()  # per node, one of events.SOURCES; empty means all "draft"
+    origins: tuple[int, ...] = ()  # per node, the sequence position a lookup copied it from (-1: none)
+
+    def __post_init__(self) -> None:
+        if not self.sources:
+            object.__setattr__(self, "sources", ("draft",) * len(self.tokens))
+            object.__setattr__(self, "origins", (-1,) * len(self.tokens))
 
     @classmethod
     def empty(cls) -> DraftTree:
         return cls((), (), (), (), None, 0)
+
+    @property
+    def point(self) -> tuple[bool, ...]:
+        """Per node: its proposal is a point mass on its token (a lookup proposed it), not a draw from q."""
+        return tuple(s != "draft" for s in self.sources)
+
+
+def graft(tree: DraftTree, copied: list[tuple[tuple[int, ...], int]]) -> DraftTree:
+    """The tree with lookup branches added at the root: `copied` holds (tokens, first copied position) each.
+
+    Branches become a trie placed BEFORE the draft's nodes, so at every node lookup children are tried first
+    (verification treats them as point masses); a draft node with the same parent and token as a lookup
+    node is that node ("both"), and keeps its q row for its own children.
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    probs: list[float] = []
+    sources: list[str] = []
+    origins: list[int] = []
+    child: dict[tuple[int, int], int] = {}
+
+    def add(parent: int, token: int, source: str, origin: int, prob: float) -> int:
+        node = child.get((parent, token))
+        if node is None:
+            node = child[(parent, token)] = len(tokens)
+            tokens.append(token)
+            parents.append(parent)
+            probs.append(prob)
+            sources.append(source)
+            origins.append(origin)
+        elif sources[node] != source:
+            sources[node], probs[node] = "both", prob
+        return node
+
+    for branch, start in copied:
+        parent = -1
+        for i, token in enumerate(branch):
+            parent = add(parent, token, "lookup", start + i, 1.0)
+    merged: dict[int, int] = {-1: -1}  # draft node -> node of the grafted tree
+    for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
+        merged[i] = add(merged[parent], token, "draft", -1, tree.probs[i])
+    q = None
+    if tree.q is not None:
+        q = tree.q.new_zeros(len(tokens) + 1, tree.q.shape[-1])  # (N+1, V)
+        q[[m + 1 for m in merged.values()]] = tree.q[[d + 1 for d in merged]]
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return DraftTree(tuple(tokens), tuple(parents), tuple(depths), tuple(probs), q, tree.forwards, tuple(sources),
+                     tuple(origins))
 
 
 def tree_mask(parents: tuple[int, ...] | list[int]) -> torch.Tensor:
@@ -66,15 +124,19 @@ def draw_children(logq: torch.Tensor, n: int, generator: torch.Generator | None)
 
 
 class Drafter(Protocol):
-    """The strategy the engine drafts with (a model drafter, or a scripted one in tests)."""
+    """The strategy the engine drafts with (the draft model, lookup, both merged, or a scripted one in tests).
+
+    `propose(room, generator)`: a tree no deeper than `room` (tokens left before max_new_tokens).
+    `commit(tokens)`: the tokens the step committed (the accepted path, then the bonus token), or the first
+    token after prefill.
+    """
 
     policy: DraftCachePolicy
     working_len: int
 
     def prefill(self, prompt: list[int], stop) -> Iterator[int]: ...
-    def propose(self, depth: int, generator: torch.Generator | None) -> DraftTree: ...
-    def commit(self, path: list[int], bonus: int) -> None: ...
-    def pend(self, token: int) -> None: ...
+    def propose(self, room: int, generator: torch.Generator | None) -> DraftTree: ...
+    def commit(self, tokens: list[int]) -> None: ...
     def rebuild(self, token_scores: torch.Tensor | None) -> tuple[Selection, int]: ...
 
 
@@ -115,9 +177,10 @@ class ModelDrafter:
         self.pending = prompt[-1:]
 
     # -- one step --------------------------------------------------------------------------------------
-    def propose(self, depth: int, generator: torch.Generator | None) -> DraftTree:
-        """Feed the pending tokens, then grow a tree of at most `depth` levels from the last one."""
+    def propose(self, room: int, generator: torch.Generator | None) -> DraftTree:
+        """Feed the pending tokens, then grow a tree of at most min(config depth, `room`) levels from the last one."""
         cfg: DraftConfig = self.draft
+        depth = min(cfg.depth, room)
         branch, children = cfg.width
         budget = cfg.budget
         threshold = math.log(cfg.stop_threshold) if cfg.shape == "tree" and cfg.stop_threshold > 0 else -math.inf
@@ -147,22 +210,21 @@ class ModelDrafter:
             return torch.log_softmax(logits, dim=-1)
         return torch.log(sampling_probs(logits, self.temperature, self.top_p))
 
-    def commit(self, path: list[int], bonus: int) -> None:
-        """Keep the KV of the pending tokens and of the fed nodes on the accepted path; the rest becomes pending."""
-        tree = self._tree
+    def commit(self, tokens: list[int]) -> None:
+        """Keep the KV of the pending tokens and of the fed nodes the committed tokens follow; the rest is pending.
+        Without a tree this step (the first token; a step the draft sat out) every token becomes pending."""
+        tree, self._tree = self._tree, None
+        if tree is None:
+            self.pending.extend(tokens)
+            return
         base = tree.slot0 - len(self.pending)
-        fed = [n for n in path if n in tree.slot]
+        fed = tree.fed_path(tokens)
         keep = torch.cat([torch.arange(tree.slot0), torch.tensor([tree.slot[n] for n in fed], dtype=torch.long)])
         self.working.keep(keep)
         if self.working is not self.store:
             new = torch.arange(base, self.working.length)
             self.store.append(self.working.gather(new), self.working.rope_positions[new])
-        self.pending = [tree.tokens[n] for n in path[len(fed):]] + [bonus]
-        self._tree = None
-
-    def pend(self, token: int) -> None:
-        """A committed token the draft has not read (the first token; a step that drafted nothing)."""
-        self.pending.append(token)
+        self.pending = list(tokens[len(fed):])
 
     # -- retrieval ---------------------------------------------------------------------------------------
     def rebuild(self, token_scores: torch.Tensor | None) -> tuple[Selection, int]:
@@ -204,6 +266,17 @@ class _Growing:
             self.depths.append(depth)
             self.cum.append(parent_cum + float(logq[token]))
             self.probs.append(math.exp(float(logq[token])))
+
+    def fed_path(self, tokens: list[int]) -> list[int]:
+        """The fed nodes that spell a prefix of `tokens`, root to leaf (a fed node's ancestors are all fed)."""
+        path: list[int] = []
+        node = -1
+        for token in tokens:
+            node = next((i for i in self.slot if self.parents[i] == node and self.tokens[i] == token), None)
+            if node is None:
+                return path
+            path.append(node)
+        return path
 
     def feed(self, model, cache: KVCache, nodes: list[int], kernel: str) -> torch.Tensor:
         """One draft forward over `nodes` (all at one depth); each sees its fed ancestors and itself."""

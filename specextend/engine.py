@@ -18,6 +18,7 @@ from .attention import AttentionPlan, QueryCapture, attention_row_scores
 from .cache import KVCache
 from .config import GenerationConfig
 from .drafting import Drafter, DraftTree, ModelDrafter, tree_mask
+from .lookup import LookupDrafter, MergedDrafter
 from .events import Drafted, Event, Finished, Prefilled, Prefilling, Retrieved, Started, Verified
 from .models import ModelPair, final_layer, forward
 from .retrieval import make_policy
@@ -88,20 +89,31 @@ class Target:
         return attention_row_scores(query, keys, self.scale).cpu()
 
 
+def make_drafter(pair: ModelPair, config: GenerationConfig, capacity: int) -> Drafter | None:
+    """The draft model (under its cache policy), lookup, or both merged into one tree; None for the target alone."""
+    model = lookup = None
+    if config.uses_draft:
+        model = ModelDrafter(pair.draft, config, make_policy(config.draft_cache, config.retrieval), capacity)
+    if config.uses_lookup:
+        lookup = LookupDrafter(config.lookup)
+    if model is not None and lookup is not None:
+        return MergedDrafter(model, lookup, config.lookup.with_draft)
+    return model or lookup
+
+
 def generate(
     pair: ModelPair, prompt_ids: list[int], config: GenerationConfig, stop: threading.Event | None = None,
     drafter: Drafter | None = None,
 ) -> Iterator[Event]:
-    """Yield the events of one request. `stop` ends it between steps; `drafter` replaces the model drafter."""
+    """Yield the events of one request. `stop` ends it between steps; `drafter` replaces the config's drafter."""
     prompt = check_request(pair, prompt_ids, config)
     start = time.perf_counter()
     clock = lambda: time.perf_counter() - start  # noqa: E731
     sync = torch.cuda.synchronize if pair.device.type == "cuda" else (lambda: None)
     generator = None if config.greedy else torch.Generator().manual_seed(config.seed)
-    room = len(prompt) + config.max_new_tokens + config.draft.budget + 2
+    room = len(prompt) + config.max_new_tokens + config.tree_budget + 2
     target = Target(pair.target, config, room)
-    if config.uses_draft and drafter is None:
-        drafter = ModelDrafter(pair.draft, config, make_policy(config.draft_cache, config.retrieval), room)
+    drafter = drafter or make_drafter(pair, config, room)
     yield Started(clock(), 0.0, config.method, tuple(prompt), asdict(config), pair.target.config.num_hidden_layers,
                   pair.draft.config.num_hidden_layers if drafter is not None and pair.draft is not None else 0,
                   str(pair.device), str(pair.dtype).replace("torch.", ""))
@@ -123,7 +135,7 @@ def generate(
     first = pick(target.logits, config, generator)
     out = cut([first], 0, config)
     if drafter is not None:
-        drafter.pend(first)
+        drafter.commit([first])
     yield Prefilled(clock(), target_s + draft_s, len(prompt), target_s, draft_s, first)
     if drafter is not None and drafter.policy.name != "full":
         yield retrieve(drafter, target, 0, config, clock, sync)
@@ -136,13 +148,14 @@ def generate(
             break
         step += 1
         position = len(prompt) + len(out) - 1  # the root: the last committed token
-        depth = min(config.draft.depth, config.max_new_tokens - len(out) - 1)
+        left = config.max_new_tokens - len(out) - 1  # tokens a tree may add before the bonus token
         tree = DraftTree.empty()
-        if drafter is not None and depth > 0:  # a) the draft proposes from its working cache
+        if drafter is not None and left > 0:  # a) the draft (from its working cache) and lookup propose
             phase = clock()
-            tree = drafter.propose(depth, generator)
+            tree = drafter.propose(left, generator)
             sync()
-            yield Drafted(clock(), clock() - phase, step, position, tree.tokens, tree.parents, tree.probs, tree.forwards)
+            yield Drafted(clock(), clock() - phase, step, position, tree.tokens, tree.parents, tree.probs, tree.forwards,
+                          tree.sources, tree.origins)
         phase = clock()  # b) the target verifies the whole tree in one forward
         logits = target.verify(out[-1], tree)
         if config.greedy:
@@ -150,10 +163,10 @@ def generate(
         else:
             p = sampling_probs(logits, config.temperature, config.top_p)
             q = tree.q if tree.q is not None else torch.zeros_like(p)
-            path, bonus = verify_sampling(tree.parents, tree.tokens, p, q, generator)
+            path, bonus = verify_sampling(tree.parents, tree.tokens, p, q, generator, tree.point)
         target.commit(path)  # c) keep the accepted path and the bonus token; drop rejected KV
         if drafter is not None:
-            drafter.commit(path, bonus) if tree.tokens else drafter.pend(bonus)
+            drafter.commit([tree.tokens[n] for n in path] + [bonus])
         sync()
         committed = cut([tree.tokens[n] for n in path] + [bonus], len(out), config)
         out.extend(committed)

@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import Any, Iterable, Union
 
 
+SOURCES = ("draft", "lookup", "both")  # who proposed a draft node: the draft model, a lookup, or both
+
+
 @dataclass(frozen=True)
 class Started:
     """The request as the engine understood it."""
@@ -57,7 +60,8 @@ class Prefilled:
 
 @dataclass(frozen=True)
 class Drafted:
-    """The draft proposed a tree (a chain is a tree where each node's parent is the one before)."""
+    """The draft proposed a tree (a chain is a tree where each node's parent is the one before). Lookup branches
+    are part of the same tree; `sources` says who proposed each node, `origins` where a lookup copied it from."""
 
     t_s: float
     elapsed_s: float
@@ -65,8 +69,10 @@ class Drafted:
     position: int  # sequence position of the root (the last committed token)
     tokens: tuple[int, ...]  # one per draft node
     parents: tuple[int, ...]  # parent node index per node; -1 is the root
-    draft_probs: tuple[float, ...]  # q of each node's token given its parent
+    draft_probs: tuple[float, ...]  # q of each node's token given its parent (1.0 for a lookup-only node)
     draft_forwards: int  # draft model forward passes this step
+    sources: tuple[str, ...] = ()  # per node: "draft" (the draft model), "lookup" or "both"; empty: all "draft"
+    origins: tuple[int, ...] = ()  # per node: the sequence position a lookup copied it from, -1 if none
 
 
 @dataclass(frozen=True)

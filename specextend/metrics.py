@@ -6,7 +6,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from .events import Drafted, Event, Finished, Prefilled, Retrieved, Started, Verified
+from .events import SOURCES, Drafted, Event, Finished, Prefilled, Retrieved, Started, Verified
 
 PHASES = ("target_prefill", "draft_prefill", "drafting", "verification", "retrieval")
 
@@ -27,6 +27,7 @@ class Summary:
     cmr_overhead_share: float  # retrieval time / decode time
     retrievals: int  # working-cache rebuilds (CMR or streaming), the one after prefill included
     stop_reason: str
+    tokens_by_source: dict[str, int]  # generated tokens by who proposed them (see tokens_by_source)
 
 
 def _of(events: Iterable[Event], cls: type) -> list:
@@ -55,6 +56,21 @@ def acceptance_by_position(events: Sequence[Event]) -> tuple[float, ...]:
         for d in range(1, v.num_accepted + 1):
             accepted[d] += 1
     return tuple(accepted[d] / drafted[d] for d in range(1, max(drafted, default=0) + 1))
+
+
+def tokens_by_source(events: Sequence[Event]) -> dict[str, int]:
+    """Generated tokens by origin: accepted draft nodes by their source ("draft", "lookup", "both") and the
+    target's own ("target": the first token and every bonus token). The counts add up to the output."""
+    out = dict.fromkeys((*SOURCES, "target"), 0)
+    out["target"] = len(_of(events, Prefilled))
+    trees = {e.step: e for e in _of(events, Drafted)}
+    for v in _of(events, Verified):
+        tree = trees.get(v.step)
+        accepted = min(v.num_accepted, len(v.committed))  # a step cut at the limit keeps a prefix
+        for node in v.accepted_nodes[:accepted]:
+            out[tree.sources[node] if tree.sources else "draft"] += 1
+        out["target"] += len(v.committed) - accepted
+    return out
 
 
 def committed_curve(events: Sequence[Event]) -> list[tuple[float, int]]:
@@ -114,4 +130,5 @@ def summarize(events: Sequence[Event]) -> Summary:
         cmr_overhead_share=phases["retrieval"] / decode_s if decode_s > 0 else 0.0,
         retrievals=len(_of(events, Retrieved)),
         stop_reason=finished[-1].stop_reason if finished else "running",
+        tokens_by_source=tokens_by_source(events),
     )

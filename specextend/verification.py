@@ -10,7 +10,10 @@ token), row i + 1 to node i. Children of a node are tried in node order.
   WITHOUT replacement from q, try them in order: accept x with probability min(1, p(x)/q(x)); on a
   rejection set p <- norm(max(0, p - q)) and remove x from q (renormalised). If all are rejected, the
   bonus is drawn from the residual p. For a chain (one child per node) this is exactly Leviathan et al.'s
-  rule. Either way each committed token is distributed as the target's p.
+  rule. A node proposed deterministically (a lookup copy) has a point mass for q: it is tried before the
+  drawn siblings, accepted with probability p(x), and on a rejection x leaves both p and q. The drawn
+  siblings without x are a draw without replacement from q without x, so the rule stays exact. Either way
+  each committed token is distributed as the target's p.
 Knows probabilities and trees; knows nothing of models or caches.
 """
 
@@ -65,32 +68,37 @@ def verify_sampling(
     p: torch.Tensor,
     q: torch.Tensor,
     generator: torch.Generator,
+    point: Sequence[bool] = (),
 ) -> tuple[list[int], int]:
     """(accepted node path, bonus token) by recursive rejection sampling.
 
     p: (N+1, V) target probabilities per row. q: (N+1, V) draft probabilities per row, used for rows with
-    children (the distribution their children were drawn from without replacement).
+    drawn children (the distribution they were drawn from without replacement). point: per node, True where
+    the node's proposal is a point mass on its token (empty: none); such nodes precede drawn siblings.
     """
     kids = children_of(parents)
+    point = tuple(point) or (False,) * len(tokens)
     path: list[int] = []
     node, row = -1, 0
     while True:
         residual = p[row].float().cpu()
-        proposal = q[row].float().cpu() if kids.get(node) else None
+        drawn = any(not point[c] for c in kids.get(node, ()))
+        proposal = q[row].float().cpu() if drawn else None
         accepted = None
         for child in kids.get(node, ()):
             x = int(tokens[child])
-            ratio = residual[x] / proposal[x]
-            if torch.rand((), generator=generator) < ratio:
+            if not point[child] and proposal is None:  # q's whole support was tried: nothing further was drawn
+                break
+            mass = torch.zeros_like(residual).index_fill_(0, torch.tensor([x]), 1.0) if point[child] else proposal
+            if torch.rand((), generator=generator) < residual[x] / mass[x]:
                 accepted = child
                 break
-            left = _normalise(torch.clamp(residual - proposal, min=0.0))
+            left = _normalise(torch.clamp(residual - mass, min=0.0))
             residual = residual if left is None else left  # None only when p == q, where x is always accepted
-            proposal = proposal.clone()
-            proposal[x] = 0.0
-            proposal = _normalise(proposal)
-            if proposal is None:  # q's whole support was tried: nothing further can be drawn
-                break
+            if proposal is not None:
+                proposal = proposal.clone()
+                proposal[x] = 0.0
+                proposal = _normalise(proposal)
         if accepted is None:
             bonus = int(torch.multinomial(residual, 1, generator=generator))
             return path, bonus

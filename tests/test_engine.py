@@ -134,13 +134,10 @@ class ScriptedDrafter:
     def prefill(self, prompt, stop):
         return iter(())
 
-    def pend(self, token):
-        self.generated.append(token)
-
-    def propose(self, depth, generator):
+    def propose(self, room, generator):
         i = len(self.generated)
         tokens, parents = [], []
-        for d in range(depth):
+        for d in range(min(room, 4)):
             right = self.reference[i + d]
             token = right if d < self.right_for else (right + 1) % VOCAB
             parent = 2 * d - 1 if self.branching else d - 1  # the previous level's scripted token
@@ -153,8 +150,8 @@ class ScriptedDrafter:
         n = len(tokens)
         return DraftTree(tuple(tokens), tuple(parents), tuple(_depths(parents)), (1.0,) * n, None, 0)
 
-    def commit(self, path, bonus):
-        self.generated += [self.proposed[n] for n in path] + [bonus]
+    def commit(self, tokens):
+        self.generated += tokens
 
     def rebuild(self, scores):
         raise AssertionError("the full policy never rebuilds")

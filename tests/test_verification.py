@@ -5,9 +5,10 @@ later sibling, the empty tree) and a property test against a deterministic toy t
 tokens are always the target's own greedy continuation, as far as the tree allows.
 Sampling: chi-square tests on a 6-token vocabulary with fixed p and q show that the first committed
 token, and the joint of the first two, follow the target's p, for a depth-2 chain and for trees whose
-children are drawn without replacement by `draw_children`. The same chi-square rejects deliberately
-wrong rules (a greedy draft treated as a sample, top-k tree children, a bonus drawn from p instead of
-the residual), so the tests can see a bias. Also the temperature / top-p filter `sampling_probs`.
+children are drawn without replacement by `draw_children`, also with lookup branches (point masses)
+grafted on. The same chi-square rejects deliberately wrong rules (a greedy draft treated as a sample,
+top-k tree children, a bonus drawn from p instead of the residual, lookup nodes treated as draws from
+q), so the tests can see a bias. Also the temperature / top-p filter `sampling_probs`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from specextend.drafting import draw_children
+from specextend.drafting import DraftTree, draw_children, graft
 from specextend.verification import children_of, sampling_probs, verify_greedy, verify_sampling
 
 V = 6
@@ -300,6 +301,48 @@ def test_tree_chi_square_rejects_top_k_children():
     first, second = first_two(committed, p1, torch.Generator().manual_seed(8))
     want_first, want_joint = expected_first_two(p0, p1)
     assert chi2_pvalue(first, want_first) < ALPHA
+    assert chi2_pvalue(first * V + second, want_joint) < ALPHA
+
+
+def sample_grafted(n: int, seed: int, lookups: list[tuple[int, ...]], point: bool = True) -> tuple[list[list[int]], tuple]:
+    """n draft trees (3 root children drawn without replacement from q0, 2 grandchildren each from q1[token]) with
+    fixed lookup branches grafted at the root, verified with the lookup nodes as point masses (or, as a wrong
+    rule, as if they had been drawn from q)."""
+    pq = p0, q0, p1, q1, p2 = model_pq(seed, p_zero=5)
+    gen = torch.Generator().manual_seed(seed + 1)
+    first = torch.tensor(draw_children(q0.log().expand(n, V), 3, gen))  # (n, 3)
+    second = [torch.tensor(draw_children(q1[first[:, j]].log(), 2, gen)) for j in range(3)]  # 3 x (n, 2)
+    parents, depths = (-1, -1, -1, 0, 0, 1, 1, 2, 2), (1, 1, 1, 2, 2, 2, 2, 2, 2)
+    committed, shared = [], 0
+    for i in range(n):
+        kids = first[i].tolist()
+        tokens = kids + [t for j in range(3) for t in second[j][i].tolist()]
+        q = torch.stack([q0, *(q1[x] for x in kids), *[torch.zeros(V)] * 6])
+        tree = graft(DraftTree(tuple(tokens), parents, depths, (0.5,) * 9, q, 1), [(b, 0) for b in lookups])
+        shared += tree.sources.count("both")
+        p = torch.stack([p0, *(p1[t] if d == 1 else p2 for t, d in zip(tree.tokens, tree.depths))])
+        path, bonus = verify_sampling(tree.parents, tree.tokens, p, tree.q, gen, tree.point if point else ())
+        committed.append([tree.tokens[j] for j in path] + [bonus])
+    assert shared > n // 2  # lookup and draft often proposed the same node, so the merge is under test too
+    return committed, pq
+
+
+LOOKUP_BRANCHES = [(5, 1), (2, 4, 0), (0,)]  # 5: the target never emits it; 2 and 0: common draft picks too
+
+
+def test_tree_with_lookup_branches_keeps_the_target_distribution():
+    committed, (p0, _, p1, _, _) = sample_grafted(N_TREE, seed=4, lookups=LOOKUP_BRANCHES)
+    first, second = first_two(committed, p1, torch.Generator().manual_seed(6))
+    want_first, want_joint = expected_first_two(p0, p1)
+    assert chi2_pvalue(first, want_first) > ALPHA
+    assert chi2_pvalue(first * V + second, want_joint) > ALPHA
+    assert sum(len(c) == 3 for c in committed) > N_TREE // 10
+
+
+def test_tree_chi_square_rejects_lookup_nodes_treated_as_draws_from_q():
+    committed, (p0, _, p1, _, _) = sample_grafted(N_WRONG, seed=4, lookups=LOOKUP_BRANCHES, point=False)
+    first, second = first_two(committed, p1, torch.Generator().manual_seed(6))
+    want_first, want_joint = expected_first_two(p0, p1)
     assert chi2_pvalue(first * V + second, want_joint) < ALPHA
 
 

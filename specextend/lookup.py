@@ -1,0 +1,166 @@
+"""Lookup drafting: propose what followed earlier occurrences of the newest n-gram. No model, no forward.
+
+The sequence is the prompt plus the committed output. For n from max_ngram down to min_ngram, every earlier
+occurrence of the sequence's last n tokens is a match; the up to max_tokens tokens that followed a match
+are a continuation. `choose` ranks the matches and keeps up to `branches` continuations with distinct
+first tokens, longer n-grams first. `continuations` finds matches by scanning (the reference);
+`NgramIndex` keeps them in a dict updated as tokens are committed (what the engine uses); the tests check
+the two agree.
+
+`LookupDrafter` proposes those continuations as branches of a draft tree; `MergedDrafter` grafts them onto
+the draft model's tree so the target verifies both in one forward. A lookup proposal is deterministic:
+under sampling its q is a point mass (DraftTree.point), which verification handles exactly.
+Knows token ids, positions and trees; knows nothing of models, caches or the target.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from .config import LookupConfig
+from .drafting import DraftTree, ModelDrafter, graft
+from .retrieval import DraftCachePolicy, Selection
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """Tokens a lookup proposes, copied from sequence positions [start, start + len(tokens))."""
+
+    tokens: tuple[int, ...]
+    start: int
+
+
+def rank(starts: list[int], following: Callable[[int], int], order: str) -> list[int]:
+    """Match starts, best first: latest, earliest, or commonest next token (ties to the latest)."""
+    if order == "first":
+        return sorted(starts)
+    latest = sorted(starts, reverse=True)
+    if order == "recent":
+        return latest
+    counts = Counter(following(s) for s in starts)
+    return sorted(latest, key=lambda s: -counts[following(s)])  # stable: the latest first within a count
+
+
+def choose(seq: Sequence[int], matches: Callable[[int], list[int]], config: LookupConfig, room: int) -> list[Continuation]:
+    """Up to config.branches continuations with distinct first tokens, from the longest matching n-gram down.
+
+    `matches(n)`: starts p < len(seq) - n of earlier occurrences of the last n tokens (seq[p:p+n] == seq[-n:]).
+    """
+    size = min(config.max_tokens, room)
+    out: list[Continuation] = []
+    firsts: set[int] = set()
+    if size < 1:
+        return out
+    for n in range(min(config.max_ngram, len(seq) - 1), config.min_ngram - 1, -1):
+        for start in rank(matches(n), lambda p: seq[p + n], config.rank):
+            first = seq[start + n]
+            if first in firsts:
+                continue
+            firsts.add(first)
+            out.append(Continuation(tuple(seq[start + n : start + n + size]), start + n))
+            if len(out) == config.branches:
+                return out
+    return out
+
+
+def continuations(seq: Sequence[int], config: LookupConfig, room: int) -> list[Continuation]:
+    """The reference: `choose` over matches found by scanning the whole sequence."""
+    seq = list(seq)
+
+    def matches(n: int) -> list[int]:
+        suffix = seq[-n:]
+        return [p for p in range(len(seq) - n) if seq[p : p + n] == suffix]
+
+    return choose(seq, matches, config, room)
+
+
+class NgramIndex:
+    """Where each n-gram (min_n..max_n tokens) of a growing sequence starts; `extend` adds tokens."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.seq: list[int] = []
+        self.starts: dict[tuple[int, ...], list[int]] = {}
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            self.seq.append(int(token))
+            end = len(self.seq)
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self.starts.setdefault(tuple(self.seq[end - n :]), []).append(end - n)
+
+    def matches(self, n: int) -> list[int]:
+        """Starts of earlier occurrences of the last n tokens (the suffix itself is the newest entry)."""
+        return self.starts.get(tuple(self.seq[-n:]), [None])[:-1]
+
+    def continuations(self, config: LookupConfig, room: int) -> list[Continuation]:
+        return choose(self.seq, self.matches, config, room)
+
+
+def branch_tree(found: list[Continuation]) -> DraftTree:
+    """The continuations as a draft tree (a trie from the root), every node a lookup node."""
+    return graft(DraftTree.empty(), [(c.tokens, c.start) for c in found])
+
+
+class LookupDrafter:
+    """Drafts by lookup alone: no draft model, so no draft cache (the full policy, never rebuilt)."""
+
+    def __init__(self, config: LookupConfig) -> None:
+        self.config = config
+        self.index = NgramIndex(config.min_ngram, config.max_ngram)
+        self.policy = DraftCachePolicy()
+        self.working_len = 0
+
+    def prefill(self, prompt: list[int], stop) -> Iterator[int]:
+        self.index.extend(prompt)
+        return iter(())
+
+    def find(self, room: int) -> list[Continuation]:
+        return self.index.continuations(self.config, room)
+
+    def propose(self, room: int, generator: torch.Generator | None) -> DraftTree:
+        return branch_tree(self.find(room))
+
+    def commit(self, tokens: list[int]) -> None:
+        self.index.extend(tokens)
+
+    def rebuild(self, token_scores: torch.Tensor | None) -> tuple[Selection, int]:
+        raise RuntimeError("lookup drafting keeps no draft cache: there is nothing to rebuild")
+
+
+class MergedDrafter:
+    """The draft model's tree with lookup branches grafted on at the root: one tree, one target forward.
+
+    `with_draft="on_miss"` asks the draft model only in steps where lookup found nothing."""
+
+    def __init__(self, model: ModelDrafter, lookup: LookupDrafter, with_draft: str) -> None:
+        self.model, self.lookup, self.with_draft = model, lookup, with_draft
+
+    @property
+    def policy(self) -> DraftCachePolicy:
+        return self.model.policy
+
+    @property
+    def working_len(self) -> int:
+        return self.model.working_len
+
+    def prefill(self, prompt: list[int], stop) -> Iterator[int]:
+        self.lookup.prefill(prompt, stop)
+        return self.model.prefill(prompt, stop)
+
+    def propose(self, room: int, generator: torch.Generator | None) -> DraftTree:
+        found = self.lookup.find(room)
+        skip_model = found and self.with_draft == "on_miss"
+        tree = DraftTree.empty() if skip_model else self.model.propose(room, generator)
+        return graft(tree, [(c.tokens, c.start) for c in found])
+
+    def commit(self, tokens: list[int]) -> None:
+        self.model.commit(tokens)
+        self.lookup.commit(tokens)
+
+    def rebuild(self, token_scores: torch.Tensor | None) -> tuple[Selection, int]:
+        return self.model.rebuild(token_scores)
