@@ -36,8 +36,8 @@ from pathlib import Path
 import torch
 
 from . import bundled, needle
-from .cli import DEFAULT_INSTRUCTION, encode_document, eos_ids, fit
-from .config import AttentionConfig, DraftConfig, GenerationConfig, RetrievalConfig, preset
+from .cli import DEFAULT_INSTRUCTION, add_lookup_arguments, encode_document, eos_ids, fit, lookup_from
+from .config import AttentionConfig, DraftConfig, GenerationConfig, LookupConfig, RetrievalConfig, preset
 from .drafting import DraftTree, ModelDrafter
 from .engine import Target, generate
 from .events import Finished
@@ -47,9 +47,12 @@ from .models import ModelPair, load_pair, make_pair
 from .retrieval import make_policy
 
 ASSISTED = "hf_assisted"  # transformers' generate(..., assistant_model=draft): the outside reference
+PROMPT_LOOKUP = "hf_prompt_lookup"  # transformers' generate(..., prompt_lookup_num_tokens=10): lookup's peer
+PEERS = (ASSISTED, PROMPT_LOOKUP)  # run by transformers, not by this engine
+HF_LOOKUP_TOKENS = 10  # the prompt_lookup_num_tokens transformers' documentation uses
 METHODS = ("autoregressive", "speculative", "streaming", "specextend", "cmr_only", "fused_prefill_only", "hta_only",
-           ASSISTED)
-BASELINES = ("autoregressive", "speculative", ASSISTED)
+           "lookup", "specextend_lookup", ASSISTED, PROMPT_LOOKUP)
+BASELINES = ("autoregressive", "speculative", ASSISTED, PROMPT_LOOKUP)
 POLICIES = ("full", "streaming", "cmr")  # the draft-cache policies the needle test compares
 NEEDLE_HINT = "Answer with the value only."
 QUICK_SHAPE = (2, 64, 4, 2, 128)  # --quick target: layers, hidden, heads, KV heads, MLP width
@@ -65,9 +68,9 @@ class GreedyMismatch(RuntimeError):
 # ---------------------------------------------------------------- methods and inputs
 
 
-def method_configs(base: dict, prefill: str) -> dict[str, GenerationConfig | None]:
-    """name -> engine config (None: transformers' assisted generation). `prefill` is the baselines' prefill
-    kernel: 'fused' (SDPA, what transformers does by default) or 'eager' (the paper's baseline)."""
+def method_configs(base: dict, prefill: str, lookup: LookupConfig) -> dict[str, GenerationConfig | None]:
+    """name -> engine config (None: a transformers peer). `prefill` is the baselines' prefill kernel: 'fused'
+    (SDPA, what transformers does by default) or 'eager' (the paper's baseline). `lookup`: lookup's knobs."""
     speculative = preset("speculative", attention=AttentionConfig(prefill, "masked"), **base)
     return {
         "autoregressive": preset("autoregressive", attention=AttentionConfig(prefill, "hybrid"), **base),
@@ -77,7 +80,10 @@ def method_configs(base: dict, prefill: str) -> dict[str, GenerationConfig | Non
         "cmr_only": speculative.replace(cmr=True),
         "fused_prefill_only": speculative.replace(attention=AttentionConfig("fused", "masked")),
         "hta_only": speculative.replace(attention=AttentionConfig(prefill, "hybrid")),
+        "lookup": preset("lookup", lookup=replace(lookup, enabled=None), **base),
+        "specextend_lookup": preset("specextend", lookup=replace(lookup, enabled=True), **base),
         ASSISTED: None,
+        PROMPT_LOOKUP: None,
     }
 
 
@@ -127,18 +133,20 @@ class _StepClock:
         pass
 
 
-def run_assisted(pair: ModelPair, prompt: list[int], config: GenerationConfig) -> dict:
-    """transformers' assisted generation, greedy, with its default draft settings (restored after each call)."""
+def run_peer(pair: ModelPair, prompt: list[int], config: GenerationConfig, name: str) -> dict:
+    """A transformers peer, greedy: assisted generation with its default draft settings (restored after each
+    call), or prompt lookup decoding with its documented settings."""
     ids = torch.tensor([prompt], device=pair.device)
     clock = _StepClock()
     saved = copy.deepcopy(pair.draft.generation_config)  # its confidence threshold adapts and persists otherwise
     eos = list(config.eos_token_ids) or None
+    drafting = {"assistant_model": pair.draft} if name == ASSISTED else {"prompt_lookup_num_tokens": HF_LOOKUP_TOKENS}
     start = time.perf_counter()
     try:
         with torch.inference_mode():
-            out = pair.target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=pair.draft,
-                                       do_sample=False, max_new_tokens=config.max_new_tokens, eos_token_id=eos,
-                                       pad_token_id=eos[0] if eos else None, streamer=clock)
+            out = pair.target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                       max_new_tokens=config.max_new_tokens, eos_token_id=eos,
+                                       pad_token_id=eos[0] if eos else None, streamer=clock, **drafting)
     finally:
         pair.draft.generation_config = saved
     new = out[0, len(prompt):].tolist()
@@ -148,7 +156,8 @@ def run_assisted(pair: ModelPair, prompt: list[int], config: GenerationConfig) -
     return {"token_ids": new, "decode_tokens_per_s": (len(new) - first_n) / decode_s if decode_s > 0 else 0.0,
             "e2e_tokens_per_s": len(new) / (last_t - start), "mean_accepted": len(new) / len(steps),
             "acceptance_by_position": None, "phase_seconds": None, "cmr_overhead_share": None, "steps": len(steps),
-            "retrievals": None, "stop_reason": "eos" if eos and new[-1] in eos else "max_new_tokens"}
+            "retrievals": None, "stop_reason": "eos" if eos and new[-1] in eos else "max_new_tokens",
+            "tokens_by_source": None}
 
 
 def run_engine(pair: ModelPair, prompt: list[int], config: GenerationConfig) -> dict:
@@ -160,13 +169,13 @@ def run_engine(pair: ModelPair, prompt: list[int], config: GenerationConfig) -> 
             "e2e_tokens_per_s": s.e2e_tokens_per_s, "mean_accepted": s.mean_accepted if s.steps else None,
             "acceptance_by_position": list(s.acceptance_by_position), "phase_seconds": s.phase_seconds,
             "cmr_overhead_share": s.cmr_overhead_share, "steps": s.steps,
-            "retrievals": s.retrievals, "stop_reason": s.stop_reason}
+            "retrievals": s.retrievals, "stop_reason": s.stop_reason, "tokens_by_source": s.tokens_by_source}
 
 
-def run_method(pair: ModelPair, prompt: list[int], config: GenerationConfig | None, max_new_tokens: int,
+def run_method(pair: ModelPair, prompt: list[int], name: str, config: GenerationConfig | None, max_new_tokens: int,
                eos: tuple[int, ...]) -> dict:
     if config is None:
-        return run_assisted(pair, prompt, GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos))
+        return run_peer(pair, prompt, GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos), name)
     return run_engine(pair, prompt, config)
 
 
@@ -214,6 +223,9 @@ def cells(runs: list[dict], names: list[str], same_as: dict[str, str]) -> list[d
                                              for i in range(max(map(len, positions), default=0))]
             phases = [r["phase_seconds"] for r in mine if r["phase_seconds"]]
             row["phase_seconds"] = {p: statistics.median(x[p] for x in phases) for p in PHASES} if phases else None
+            split = [(r["tokens_by_source"], r["steps"]) for r in mine if r["tokens_by_source"] and r["steps"]]
+            row["tokens_per_step_by_source"] = {k: statistics.median(t[k] / n for t, n in split)
+                                                for k in split[0][0]} if split else None
             rows.append(row)
     return rows
 
@@ -222,13 +234,22 @@ def goals(rows: list[dict]) -> list[dict]:
     """The issue's goals, checked on the longest and the shortest input length of this run."""
     at = {(r["length"], r["method"]): r for r in rows}
     lengths = sorted({r["length"] for r in rows})
-    if not lengths or (lengths[-1], "specextend") not in at:
-        return []
-    longest, shortest = at[(lengths[-1], "specextend")], at.get((lengths[0], "specextend"))
     out = []
 
     def goal(text: str, value, target: float) -> None:
         out.append({"goal": text, "value": value, "target": target, "met": value is not None and value >= target})
+
+    merged = lengths and at.get((lengths[-1], "specextend_lookup"))
+    if merged:  # lookup drafting's goals: against the target alone and transformers' prompt lookup
+        for base, target in (("autoregressive", 1.5), (PROMPT_LOOKUP, 2.0)):
+            s = merged.get(f"decode_speedup_vs_{base}")
+            goal(f"specextend_lookup decode speedup over {base} at {lengths[-1]} tokens", s and s["median"], target)
+        s = at.get((lengths[0], "specextend_lookup"), {}).get("decode_speedup_vs_autoregressive")
+        goal(f"specextend_lookup decode speedup over autoregressive at {lengths[0]} tokens (no slower)",
+             s and s["median"], 1.0)
+    if not lengths or (lengths[-1], "specextend") not in at:
+        return out
+    longest, shortest = at[(lengths[-1], "specextend")], at.get((lengths[0], "specextend"))
 
     for base in BASELINES:
         s = longest.get(f"decode_speedup_vs_{base}")
@@ -459,6 +480,11 @@ def ratio(s: dict | None) -> str:
     return "-" if not s else f"{s['median']:.2f}x"
 
 
+def by_source(split: dict | None) -> str:
+    """Tokens per step by who proposed them, as 'draft / lookup / both / target'."""
+    return "-" if not split else " / ".join(f"{v:.2f}" for v in split.values())
+
+
 def markdown(report: dict) -> str:
     """The report as Markdown tables: the grid per input length, the goals, the needle and sweep sections."""
     lines = []
@@ -466,16 +492,18 @@ def markdown(report: dict) -> str:
         mine = [r for r in report["cells"] if r["length"] == length]
         lines += [f"**~{length} input tokens** (median [min-max] over {mine[0]['decode_tokens_per_s']['n']} runs; "
                   f"phase seconds are medians)", "",
-                  "| method | decode tok/s | e2e tok/s | x AR | x speculative | x hf_assisted | mean accepted | "
+                  "| method | decode tok/s | e2e tok/s | x AR | x speculative | x hf_assisted | x hf_prompt_lookup | "
+                  "mean accepted | per step: draft / lookup / both / target | "
                   + " | ".join(f"{p} s" for p in PHASES) + " | CMR share |",
-                  "|---" * (8 + len(PHASES)) + "|"]
+                  "|---" * (10 + len(PHASES)) + "|"]
         for r in mine:
             name = r["method"] + (f" (= {r['same_as']})" if r["same_as"] else "")
             phases = [f"{r['phase_seconds'][p]:.2f}" if r["phase_seconds"] else "-" for p in PHASES]
             share = r["cmr_overhead_share"]
             lines.append(f"| {name} | {fmt(r['decode_tokens_per_s'])} | {fmt(r['e2e_tokens_per_s'])} | "
                          f"{ratio(r['decode_speedup_vs_autoregressive'])} | {ratio(r['decode_speedup_vs_speculative'])} | "
-                         f"{ratio(r[f'decode_speedup_vs_{ASSISTED}'])} | {fmt(r['mean_accepted'], 2)} | "
+                         f"{ratio(r[f'decode_speedup_vs_{ASSISTED}'])} | {ratio(r[f'decode_speedup_vs_{PROMPT_LOOKUP}'])} | "
+                         f"{fmt(r['mean_accepted'], 2)} | {by_source(r['tokens_per_step_by_source'])} | "
                          + " | ".join(phases) + f" | {'-' if not share else format(share['median'], '.1%')} |")
         lines.append("")
     if report["goals"]:
@@ -506,14 +534,14 @@ def markdown(report: dict) -> str:
 
 def table(report: dict) -> str:
     lines = [f"{'tokens':>6} {'method':<31} {'decode tok/s':>20} {'e2e tok/s':>18} {'xAR':>6} {'xspec':>6} "
-             f"{'xHF':>6} {'accepted':>17} {'CMR share':>9}"]
+             f"{'xHF':>6} {'xHFPL':>6} {'accepted':>17} {'CMR share':>9}"]
     for r in report["cells"]:
         share = r["cmr_overhead_share"]
         name = r["method"] + (f" (={r['same_as']})" if r["same_as"] else "")
         lines.append(f"{r['prompt_tokens']:>6.0f} {name:<31} {fmt(r['decode_tokens_per_s']):>20} "
                      f"{fmt(r['e2e_tokens_per_s']):>18} {ratio(r['decode_speedup_vs_autoregressive']):>6} "
                      f"{ratio(r['decode_speedup_vs_speculative']):>6} {ratio(r[f'decode_speedup_vs_{ASSISTED}']):>6} "
-                     f"{fmt(r['mean_accepted'], 2):>17} {'-' if not share else format(share['median'], '.1%'):>9}")
+                     f"{ratio(r[f'decode_speedup_vs_{PROMPT_LOOKUP}']):>6} {fmt(r['mean_accepted'], 2):>17} {'-' if not share else format(share['median'], '.1%'):>9}")
     if report.get("needle"):
         acc = report["needle"]["summary"]["accuracy"]
         lines.append(f"needle ({report['needle']['summary']['needles']} needles, "
@@ -564,7 +592,7 @@ def run(args, progress) -> dict:
     retrieval = QUICK["retrieval"] if args.quick else RetrievalConfig()
     draft = DraftConfig(shape=args.draft_shape, k=args.k)
     base = dict(max_new_tokens=args.max_new_tokens, eos_token_ids=eos, draft=draft, retrieval=retrieval)
-    configs = method_configs(base, args.prefill)
+    configs = method_configs(base, args.prefill, lookup_from(args, None))
     names = [m for m in METHODS if m in args.methods]
     same_as = {k: v for k, v in aliases(configs).items() if k in names and v in names}
     measured = [m for m in names if m not in same_as]
@@ -581,7 +609,8 @@ def run(args, progress) -> dict:
     runs, references = [], {}
     for name in measured if inputs else ():  # warm-up: every method once on a short input
         bar.set_description(f"warm-up {name}")
-        run_method(pair, fit(inputs[0]["prompt"], 256), configs[name] and configs[name].replace(max_new_tokens=8), 8, eos)
+        run_method(pair, fit(inputs[0]["prompt"], 256), name, configs[name] and configs[name].replace(max_new_tokens=8), 8,
+                   eos)
         bar.update()
     for item in inputs:
         where = f"{item['document']} at {len(item['prompt'])} tokens"
@@ -589,7 +618,7 @@ def run(args, progress) -> dict:
             shift = repeat % len(measured)  # alternate the order of methods between repeats
             for name in measured[shift:] + measured[:shift]:
                 bar.set_description(f"{len(item['prompt'])} tok {item['document'][:16]} {name}")
-                result = run_method(pair, item["prompt"], configs[name], args.max_new_tokens, eos)
+                result = run_method(pair, item["prompt"], name, configs[name], args.max_new_tokens, eos)
                 key = (item["document"], item["length"])
                 if key in references:
                     check_same(references[key], name, result["token_ids"], where)
@@ -660,6 +689,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the baselines' prefill kernel: fused (SDPA, transformers' default) or eager (the paper's)")
     p.add_argument("--draft-shape", choices=("chain", "tree"), default=DraftConfig().shape)
     p.add_argument("--k", type=int, default=DraftConfig().k, help="chain: draft tokens per step")
+    add_lookup_arguments(p)
     p.add_argument("--needles", type=int, default=50, help="needle questions (depths cycle, documents rotate)")
     p.add_argument("--needle-tokens", type=int, default=4096, help="haystack length in target tokens")
     p.add_argument("--needle-depths", default="0.1,0.3,0.5,0.7,0.9")

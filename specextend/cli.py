@@ -13,7 +13,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from .config import METHODS, AttentionConfig, DraftConfig, RetrievalConfig, preset
+from .config import METHODS, AttentionConfig, DraftConfig, LookupConfig, RetrievalConfig, preset
 
 DEFAULT_INSTRUCTION = "Summarize the document above in a few sentences."
 
@@ -60,8 +60,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--verify", choices=("hybrid", "masked"), help="verification kernel (default: the method's)")
     g.add_argument("--cmr", action=argparse.BooleanOptionalAction, default=None,
                    help="Cross-model Retrieval on/off (default: on for specextend only)")
+    g.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=None,
+                   help="lookup drafting: add copied continuations to the draft's tree (default: on for method lookup only)")
+    add_lookup_arguments(g)
     g.add_argument("--trace", help="save the run's events as a JSON trace here")
     return p
+
+
+def add_lookup_arguments(parser: argparse.ArgumentParser) -> None:
+    """Lookup drafting's knobs (shared by the CLI and the benchmark); `lookup_from` reads them back."""
+    lk = LookupConfig()
+    parser.add_argument("--lookup-max-ngram", type=int, default=lk.max_ngram, help="lookup: longest suffix matched")
+    parser.add_argument("--lookup-min-ngram", type=int, default=lk.min_ngram, help="lookup: shortest suffix matched")
+    parser.add_argument("--lookup-tokens", type=int, default=lk.max_tokens, help="lookup: most tokens a branch copies")
+    parser.add_argument("--lookup-branches", type=int, default=lk.branches,
+                        help="lookup: most branches (distinct first tokens)")
+    parser.add_argument("--lookup-rank", choices=("recent", "frequent", "first"), default=lk.rank,
+                        help="lookup: which matches first: latest, commonest next token, or earliest")
+    parser.add_argument("--lookup-with-draft", choices=("always", "on_miss"), default=lk.with_draft,
+                        help="lookup with a draft model: merge both every step, or ask the draft model only on a miss")
+
+
+def lookup_from(args: argparse.Namespace, enabled: bool | None) -> LookupConfig:
+    return LookupConfig(enabled, args.lookup_max_ngram, args.lookup_min_ngram, args.lookup_tokens,
+                        args.lookup_branches, args.lookup_rank, args.lookup_with_draft)
 
 
 def config_from(args: argparse.Namespace, eos: tuple[int, ...]):
@@ -74,10 +96,12 @@ def config_from(args: argparse.Namespace, eos: tuple[int, ...]):
         retrieval = RetrievalConfig(args.chunk_size, args.top_k, args.retrieve_every, args.prefill_window, args.sink_tokens)
     draft = DraftConfig(args.draft_shape, args.k, args.max_depth, args.node_budget, args.branch, args.children,
                         args.stop_threshold)
+    lookup = lookup_from(args, args.lookup)
     base = preset(args.method).attention
     attention = AttentionConfig(prefill=args.prefill or base.prefill, verify=args.verify or base.verify)
     return preset(args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                  seed=args.seed, eos_token_ids=eos, draft=draft, retrieval=retrieval, attention=attention, cmr=args.cmr)
+                  seed=args.seed, eos_token_ids=eos, draft=draft, retrieval=retrieval, attention=attention, cmr=args.cmr,
+                  lookup=lookup)
 
 
 def encode_document(tokenizer, text: str, instruction: str, raw: bool) -> list[int]:
@@ -125,7 +149,7 @@ def generate_command(args: argparse.Namespace) -> int:
     if target is None or draft is None:
         bundled_target, bundled_draft = bundled.default_pair()
         target, draft = target or bundled_target, draft or bundled_draft
-    pair = load_pair(target, draft if args.method != "autoregressive" else None, args.device, args.dtype)
+    pair = load_pair(target, draft if args.method not in ("autoregressive", "lookup") else None, args.device, args.dtype)
     tokenizer = AutoTokenizer.from_pretrained(target if Path(target).is_dir() else str(target), trust_remote_code=False)
     config = config_from(args, eos_ids(tokenizer, pair.target))
     prompt = encode_document(tokenizer, text, args.instruction, args.raw)
@@ -145,6 +169,7 @@ def generate_command(args: argparse.Namespace) -> int:
         "e2e_tokens_per_s": summary.e2e_tokens_per_s, "mean_accepted": summary.mean_accepted,
         "acceptance_by_position": list(summary.acceptance_by_position), "phase_seconds": summary.phase_seconds,
         "cmr_overhead_share": summary.cmr_overhead_share, "steps": summary.steps, "stop_reason": summary.stop_reason,
+        "tokens_by_source": summary.tokens_by_source,
         "device": str(pair.device), "dtype": str(pair.dtype).replace("torch.", ""), "backend": pair.backend,
         "config": asdict(config),
     }))

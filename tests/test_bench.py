@@ -18,7 +18,7 @@ from specextend.events import Finished
 CELL_FIELDS = ("length", "method", "prompt_tokens", "new_tokens", "decode_tokens_per_s", "e2e_tokens_per_s",
                "decode_speedup_vs_autoregressive", "decode_speedup_vs_speculative", "decode_speedup_vs_hf_assisted",
                "e2e_speedup_vs_autoregressive", "mean_accepted", "acceptance_by_position", "phase_seconds",
-               "cmr_overhead_share")
+               "cmr_overhead_share", "decode_speedup_vs_hf_prompt_lookup", "tokens_per_step_by_source")
 
 
 @pytest.fixture(scope="module")
@@ -64,18 +64,25 @@ def test_quick_run_covers_every_method_with_the_required_fields(quick):
         assert set(CELL_FIELDS) <= set(cell), cell["method"]
         assert cell["decode_tokens_per_s"]["median"] > 0
         assert cell["decode_tokens_per_s"]["min"] <= cell["decode_tokens_per_s"]["median"] <= cell["decode_tokens_per_s"]["max"]
-        if cell["method"] != bench.ASSISTED:
+        if cell["method"] not in bench.PEERS:
             assert set(cell["phase_seconds"]) == {"target_prefill", "draft_prefill", "drafting", "verification", "retrieval"}
+            assert set(cell["tokens_per_step_by_source"]) == {"draft", "lookup", "both", "target"}
+            assert cell["tokens_per_step_by_source"]["target"] >= 1.0  # every step ends with the target's bonus token
+        else:
+            assert cell["tokens_per_step_by_source"] is None
     by = {(c["length"], c["method"]): c for c in report["cells"]}
     for length in lengths:
         assert by[(length, "speculative")]["decode_speedup_vs_speculative"]["median"] == pytest.approx(1.0)
         assert by[(length, "fused_prefill_only")]["same_as"] == "speculative"  # --prefill fused: same config
         assert by[(length, "specextend")]["cmr_overhead_share"]["median"] > 0
+        lookup = by[(length, "lookup")]["tokens_per_step_by_source"]
+        assert lookup["draft"] == lookup["both"] == 0  # lookup alone: no draft model
+        assert by[(length, "specextend_lookup")]["decode_speedup_vs_hf_prompt_lookup"]["median"] > 0
     assert report["needle"]["summary"]["needles"] == 2
     assert set(report["needle"]["summary"]["accuracy"]) == {"target", "full", "streaming", "cmr"}
     assert report["sweep"][0]["setting"].startswith("default") and len(report["sweep"]) > 4
     assert {s["trigger"] for s in report["sweep"]} == {"fixed", "adaptive"}
-    assert report["goals"]
+    assert any(g["goal"].startswith("specextend_lookup decode speedup over hf_prompt_lookup") for g in report["goals"])
 
 
 def test_planted_greedy_mismatch_stops_the_run(tmp_path, monkeypatch, capsys):
