@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from specextend.config import DraftConfig, GenerationConfig, RetrievalConfig, preset
+from specextend.config import DraftConfig, GenerationConfig, LookupConfig, RetrievalConfig, preset
 from specextend.events import Event, Finished, Prefilled, Prefilling, Started, Verified
 
 from visualizers.common import label
@@ -36,6 +36,7 @@ class Knobs:
     node_budget: int = 12
     temperature: float = 0.0
     seed: int = 0
+    lookup: bool = True  # add lookup branches to the draft model's tree (the main run only; lookup alone has them)
 
 
 def _whole(name: str, value: float | int | None) -> int:
@@ -44,8 +45,10 @@ def _whole(name: str, value: float | int | None) -> int:
     return int(value)
 
 
-def build_config(method: str, knobs: Knobs, eos_ids: Sequence[int] = (), max_new_tokens_cap: int = 1024) -> GenerationConfig:
-    """The method's preset with the user's knobs; every nonsense setting is a ValueError with a readable message."""
+def build_config(method: str, knobs: Knobs, eos_ids: Sequence[int] = (), max_new_tokens_cap: int = 1024,
+                 lookup: bool = False) -> GenerationConfig:
+    """The method's preset with the user's knobs; every nonsense setting is a ValueError with a readable message.
+    `lookup` adds lookup branches to a draft-model method when the knobs ask for them."""
     new = _whole("max new tokens", knobs.max_new_tokens)
     if new > max_new_tokens_cap:
         raise ValueError(f"max new tokens is capped at {max_new_tokens_cap} on this server, got {new}")
@@ -55,8 +58,10 @@ def build_config(method: str, knobs: Knobs, eos_ids: Sequence[int] = (), max_new
                         max_depth=_whole("tree depth", knobs.max_depth), node_budget=_whole("tree node budget", knobs.node_budget))
     retrieval = RetrievalConfig(chunk_size=_whole("chunk size", knobs.chunk_size), top_k=_whole("top-k chunks", knobs.top_k),
                                 retrieve_every=_whole("retrieve every", knobs.retrieve_every))
+    merged = lookup and bool(knobs.lookup) and method not in ("autoregressive", "lookup")
     return preset(method, max_new_tokens=new, temperature=float(knobs.temperature), seed=_whole("seed", knobs.seed),
-                  eos_token_ids=tuple(eos_ids), draft=draft, retrieval=retrieval)
+                  eos_token_ids=tuple(eos_ids), draft=draft, retrieval=retrieval,
+                  lookup=LookupConfig(enabled=True if merged else None))
 
 
 @dataclass

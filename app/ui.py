@@ -31,6 +31,7 @@ CSS = """
 .se-output { white-space: pre-wrap; line-height: 1.55; font-size: 15px; padding: 10px 12px; border: 1px solid #e4e7eb;
   border-radius: 8px; background: #fff; max-height: 320px; overflow-y: auto; }
 .se-draft { border-bottom: 2px solid #2a9d8f; }
+.se-copy { border-bottom: 2px solid #7b61ff; }
 .se-target { border-bottom: 2px solid #c9d1d9; }
 .se-legend { font-size: 13px; color: #52606d; margin-bottom: 6px; }
 .se-legend span { margin-right: 14px; padding: 1px 4px; }
@@ -62,9 +63,11 @@ METHOD_CHOICES = [
     ("SpecExtend (CMR + fast attention)", "specextend"),
     ("standard speculative decoding", "speculative"),
     ("speculative, StreamingLLM draft cache", "streaming"),
+    ("lookup drafting alone (copies, no draft model)", "lookup"),
     ("the target alone", "autoregressive"),
 ]
-RACE_CHOICES = [("standard speculative decoding", "speculative"), ("the target alone (also checks exactness)", "autoregressive")]
+RACE_CHOICES = [("standard speculative decoding", "speculative"), ("lookup drafting alone", "lookup"),
+                ("the target alone (also checks exactness)", "autoregressive")]
 DEFAULT_TASK = "Summarize the document in a few sentences."
 KEEP_TRACES = 64  # exported trace files kept on disk (gradio's cache of them is swept hourly)
 Draw = Callable[[Job, dict, Callable, bool], list]  # (job, runs so far, decode, charts due) -> each panel's value
@@ -144,7 +147,7 @@ class Studio:
                 raise ValueError("The task is empty: say what to do with the document (for example, summarize it).")
             choice = self.settings.pair(pair_key)
             knobs = Knobs(*knob_values)
-            build_config(method, knobs, (), self.settings.max_new_tokens)  # refuse nonsense before loading anything
+            build_config(method, knobs, (), self.settings.max_new_tokens, lookup=True)  # refuse nonsense before loading
         except ValueError as exc:
             yield self._idle(str(exc))
             return
@@ -156,8 +159,8 @@ class Studio:
             prompt = loaded.codec.prompt(text, task)
             return loaded.codec, prompt, loaded.max_positions, loaded.generate
 
-        def configs(m: str, codec) -> GenerationConfig:
-            return build_config(m, knobs, codec.eos_ids, self.settings.max_new_tokens)
+        def configs(m: str, codec) -> GenerationConfig:  # the race runs the plain methods it names
+            return build_config(m, knobs, codec.eos_ids, self.settings.max_new_tokens, lookup=m == method)
 
         state.job = Job(methods, configs, prepare).start()
         yield from self._stream(state.job, self._main_draw(method), {"pair": choice.label, "task": task, "primary": method},
@@ -330,6 +333,10 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
                         pair = gr.Dropdown(label="Model pair", choices=[(p.label, p.key) for p in settings.pairs],
                                            value=settings.pairs[0].key, elem_id="pair")
                         method = gr.Radio(label="Method", choices=METHOD_CHOICES, value="specextend", elem_id="method")
+                        lookup = gr.Checkbox(k.lookup, label="add lookup drafting: copy what followed the newest words "
+                                             "where they occurred before", elem_id="lookup",
+                                             info="for the draft-model methods: its copies join the draft's guesses "
+                                                  "in one tree, checked in the same target pass")
                         race = gr.CheckboxGroup(label="Race on the same input, after the main run", choices=RACE_CHOICES,
                                                 value=["speculative", "autoregressive"], elem_id="race")
                         chart_choices = [(f"live, every {settings.redraw_s:g} s", settings.redraw_s),
@@ -401,7 +408,7 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
                     n_cmr = gr.Plot(show_label=False, elem_id="needle-cmr")
                     n_stream = gr.Plot(show_label=False, elem_id="needle-streaming")
 
-        knobs = [max_new, chunk, top_k, every, shape, chain_k, depth, budget, temperature, seed]
+        knobs = [max_new, chunk, top_k, every, shape, chain_k, depth, budget, temperature, seed, lookup]
         outputs = [status, output, exact, retrieval, acceptance, throughput, readout, download]
         sample.change(studio.pick_sample, sample, document, queue=False)
         upload.upload(studio.upload, upload, [document, doc_info], queue=False)

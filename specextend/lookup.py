@@ -5,7 +5,7 @@ occurrence of the sequence's last n tokens is a match; the up to max_tokens toke
 are a continuation. `choose` ranks the matches and keeps up to `branches` continuations with distinct
 first tokens, longer n-grams first. `continuations` finds matches by scanning (the reference);
 `NgramIndex` keeps them in a dict updated as tokens are committed (what the engine uses); the tests check
-the two agree.
+the two agree. `replay` runs lookup drafting on a known greedy output, with no model, for offline sweeps.
 
 `LookupDrafter` proposes those continuations as branches of a draft tree; `MergedDrafter` grafts them onto
 the draft model's tree so the target verifies both in one forward. A lookup proposal is deterministic:
@@ -24,6 +24,7 @@ import torch
 from .config import LookupConfig
 from .drafting import DraftTree, ModelDrafter, graft
 from .retrieval import DraftCachePolicy, Selection
+from .verification import verify_greedy
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,25 @@ class NgramIndex:
 def branch_tree(found: list[Continuation]) -> DraftTree:
     """The continuations as a draft tree (a trie from the root), every node a lookup node."""
     return graft(DraftTree.empty(), [(c.tokens, c.start) for c in found])
+
+
+def replay(prompt: Sequence[int], output: Sequence[int], config: LookupConfig, max_new_tokens: int | None = None
+           ) -> list[tuple[int, int]]:
+    """Lookup drafting alone, replayed on a known greedy output: (num_accepted, nodes proposed) per step.
+    What the engine's `lookup` method does on that output, without the target (offline sweeps)."""
+    limit = max_new_tokens or len(output)
+    index = NgramIndex(config.min_ngram, config.max_ngram)
+    index.extend([*prompt, *output[:1]])
+    done, steps = 1, []
+    while done < len(output):
+        tree = branch_tree(index.continuations(config, limit - done - 1))
+        wanted = [output[done + d] if done + d < len(output) else -1 for d in (0, *tree.depths)]  # per row
+        path, _ = verify_greedy(tree.parents, tree.tokens, wanted)
+        committed = output[done : done + len(path) + 1]
+        index.extend(committed)
+        done += len(committed)
+        steps.append((len(path), len(tree.tokens)))
+    return steps
 
 
 class LookupDrafter:

@@ -73,6 +73,21 @@ def tokens_by_source(events: Sequence[Event]) -> dict[str, int]:
     return out
 
 
+def copies(events: Sequence[Event]) -> list[tuple[int, tuple[int, ...]]]:
+    """(step, sequence positions copied from) for every step that committed tokens a lookup proposed."""
+    trees = {e.step: e for e in _of(events, Drafted)}
+    out = []
+    for v in _of(events, Verified):
+        tree = trees.get(v.step)
+        if tree is None or not tree.origins:
+            continue
+        accepted = v.accepted_nodes[: min(v.num_accepted, len(v.committed))]
+        origins = tuple(tree.origins[n] for n in accepted if tree.sources[n] != "draft")
+        if origins:
+            out.append((v.step, origins))
+    return out
+
+
 def committed_curve(events: Sequence[Event]) -> list[tuple[float, int]]:
     """(t_s, tokens generated so far) after prefill and after every step: the throughput curve."""
     points = [(e.t_s, 1) for e in _of(events, Prefilled)]

@@ -25,6 +25,22 @@ def tiny(family: str = "llama", layers: int = 2, hidden: int = 64, heads: int = 
     return model.float().eval()
 
 
+def bigram_target(seed: int = 1):
+    """A Llama whose layers add nothing: its next token depends on the last token only, so its greedy output
+    soon repeats itself, and lookup drafting has something to copy (random tiny models rarely repeat)."""
+    model = tiny("llama", layers=2, seed=seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return model
+
+
+@pytest.fixture(scope="session")
+def bigram_pair():
+    return make_pair(bigram_target(), tiny("llama", layers=1, hidden=32, heads=2, kv_heads=1, seed=2))
+
+
 @pytest.fixture(scope="session")
 def llama_pair():
     return make_pair(tiny("llama", layers=3, seed=1), tiny("llama", layers=1, hidden=32, heads=2, kv_heads=1, seed=2))

@@ -1,9 +1,9 @@
 """Lookup drafting: matching (pure, and the incremental index against it), grafting lookup branches onto a
 draft tree, and the engine with lookup alone and merged with the draft model, lossless in greedy.
 
-Random tiny targets rarely repeat themselves, so lookup would never be tested on them: the `bigram`
-target below has its attention and MLP outputs zeroed, so its next token is a function of the last one.
-Its greedy output runs into a cycle within a few dozen tokens, and lookup must then commit long runs.
+Random tiny targets rarely repeat themselves, so lookup would never be tested on them: the `bigram_pair`
+target (conftest) has its attention and MLP outputs zeroed, so its next token is a function of the last
+one. Its greedy output runs into a cycle within a few dozen tokens, and lookup must then commit long runs.
 """
 
 from __future__ import annotations
@@ -13,14 +13,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import VOCAB, reference_greedy, tiny
+from conftest import VOCAB, reference_greedy
 from specextend import events as ev
 from specextend.config import DraftConfig, GenerationConfig, LookupConfig, RetrievalConfig, preset
 from specextend.drafting import DraftTree, graft
 from specextend.engine import generate
-from specextend.lookup import Continuation, NgramIndex, continuations
+from specextend.lookup import Continuation, NgramIndex, continuations, replay
 from specextend.metrics import summarize, tokens_by_source
-from specextend.models import make_pair
 
 N_NEW = 40
 
@@ -150,21 +149,6 @@ def test_graft_keeps_every_path_once(draft, branches):
 # ------------------------------------------------------------------------------------ the engine
 
 
-def bigram_target(seed: int = 1):
-    """A Llama whose layers add nothing: its next token depends on the last token only, so it repeats."""
-    model = tiny("llama", layers=2, seed=seed)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-    return model
-
-
-@pytest.fixture(scope="module")
-def bigram_pair():
-    return make_pair(bigram_target(), tiny("llama", layers=1, hidden=32, heads=2, kv_heads=1, seed=2))
-
-
 def prompt_of(length: int, seed: int) -> list[int]:
     return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -205,6 +189,16 @@ def test_lookup_alone_commits_long_runs_and_reports_its_copies(bigram_pair):
         for token, origin in zip(d.tokens, d.origins):  # each node is a copy of the token at its origin
             assert 0 <= origin < d.position + 1 and sequence[origin] == token
     assert not any(isinstance(e, ev.Retrieved) or isinstance(e, ev.Prefilling) and e.model == "draft" for e in trace)
+
+
+@pytest.mark.parametrize("lookup", LOOKUPS[:2], ids=["default", "short3"])
+def test_replay_is_what_the_engine_does(bigram_pair, lookup):
+    prompt = prompt_of(90, seed=7)
+    trace = list(generate(bigram_pair, prompt, preset("lookup", max_new_tokens=N_NEW, lookup=lookup)))
+    steps = [(v.num_accepted, len(d.tokens)) for d, v in zip((e for e in trace if isinstance(e, ev.Drafted)),
+                                                              (e for e in trace if isinstance(e, ev.Verified)))]
+    assert replay(prompt, list(trace[-1].token_ids), lookup, N_NEW) == steps
+    assert sum(a for a, _ in steps) > 0
 
 
 def test_merged_sampling_runs_reproducibly(bigram_pair):

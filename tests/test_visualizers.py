@@ -191,3 +191,67 @@ def test_panels_on_the_recorded_trace_match_its_events():
     assert [t for _, ids, _ in segments(events) for t in ids] == new_tokens(events)
     if "autoregressive" in runs:  # recorded greedy in fp32: the race's outputs agree token for token
         assert "✔ Exact" in exactness_html(new_tokens(events), new_tokens(runs["autoregressive"]), codec.decode)
+
+
+# ------------------------------------------------------------------------------------ lookup's copies
+
+
+@pytest.fixture(scope="module")
+def lookup_traces(bigram_pair):
+    """Engine traces on the repeating tiny target: lookup alone, and SpecExtend with lookup branches."""
+    from specextend.config import LookupConfig
+    from specextend.engine import generate
+
+    prompt = [(7 * i) % 97 for i in range(260)]  # several CMR chunks; the tiny models' vocabulary is 97
+    retrieval = RetrievalConfig(chunk_size=16, top_k=4, retrieve_every=2, prefill_window=32)
+    return {m: list(generate(bigram_pair, prompt, preset(m, max_new_tokens=60, retrieval=retrieval,
+                                                            lookup=LookupConfig(enabled=m != "lookup" or None))))
+            for m in ("lookup", "specextend")}
+
+
+@pytest.mark.parametrize("method", ["lookup", "specextend"])
+def test_copied_tokens_are_their_own_kind_in_text_and_cells(lookup_traces, method):
+    from specextend.metrics import tokens_by_source
+    from visualizers.acceptance import COPIED
+
+    events = lookup_traces[method]
+    runs = segments(events)
+    assert [t for _, ids, _ in runs for t in ids] == new_tokens(events)
+    counts = tokens_by_source(events)
+    copied = sum(len(ids) for kind, ids, _ in runs if kind == "copied")
+    assert copied == counts["lookup"] + counts["both"] > 10
+    assert sum(len(ids) for kind, ids, _ in runs if kind == "accepted") == counts["draft"]
+    assert output_html(events, decode).count("class='se-copy'") == sum(kind == "copied" for kind, _, _ in runs)
+    cells = acceptance_spec(events, decode)["data"][0]
+    assert sum(v == COPIED for row in cells["z"] for v in row) == copied
+    for spec in (retrieval_spec(events, decode), acceptance_spec(events, decode)):
+        to_figure(spec)
+        json.dumps(spec, allow_nan=False)
+
+
+def test_retrieval_strip_shows_where_copies_came_from(lookup_traces):
+    from specextend.metrics import copies
+
+    events = lookup_traces["specextend"]
+    spec = retrieval_spec(events, decode)
+    strip, heat, said, copied = spec["data"]
+    size = [e for e in events if isinstance(e, Retrieved)][-1].chunk_size
+    found = copies(events)
+    sources = {p // size for _, origins in found for p in origins if p // size < len(strip["z"][0])}
+    assert copied["y"] == [1] and {i for i, v in enumerate(copied["z"][0]) if v > 0} == sources
+    violet = [s for s in spec["layout"]["shapes"] if s["type"] == "rect" and s["y0"] == 0.5]
+    assert {c for s in violet for c in range(int(s["x0"] + 0.5), int(s["x1"] + 0.5))} == {p // size for p in found[-1][1]}
+    assert "lookup copied" in spec["layout"]["title"]["text"]
+
+
+def test_lookup_alone_gets_a_row_per_copying_step(lookup_traces):
+    from specextend.metrics import copies
+
+    events = lookup_traces["lookup"]
+    spec = retrieval_spec(events, decode)
+    strip, heat = spec["data"]
+    found = copies(events)
+    assert heat["y"] == [step for step, _ in found]
+    for row, (_, origins) in zip(heat["z"], found):
+        assert {i for i, v in enumerate(row) if v} == {p // 32 for p in origins}
+    assert spec["layout"]["title"]["text"].startswith("Lookup:")

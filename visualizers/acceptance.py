@@ -1,7 +1,8 @@
 """Acceptance panel: what the draft proposed each step and how much of it the target kept.
 
-Top: one column per step; from the bottom up, the accepted draft tokens (green), the bonus token the
-target added (gold), and the drafted tokens it did not keep (red). Below: acceptance rate by draft
+Top: one column per step; from the bottom up, the accepted draft tokens (green for the draft model's,
+violet for a lookup's copies), the bonus token the target added (gold), and the drafted tokens it did
+not keep (red). Below: acceptance rate by draft
 position, tokens committed per step, and the latest step's draft tree with its accepted path.
 Knows events; no gradio, no models.
 """
@@ -15,14 +16,17 @@ from typing import Sequence
 from specextend.events import Drafted, Event, Verified
 from specextend.metrics import acceptance_by_position, node_depths
 
-from .common import STATUS_COLORS, Decode, Spec, base_layout, hover_text, message_spec, method_of, of, title
+from .common import (
+    STATUS_COLORS, Decode, Spec, accepted_kind, base_layout, hover_text, message_spec, method_of, of, title,
+)
 
 HOVER_STEPS = 200  # hover text is kept for the most recent steps only, so a redraw stays small
-REJECTED, ACCEPTED, BONUS = 1, 2, 3
+REJECTED, ACCEPTED, COPIED, BONUS = 1, 2, 3, 4
 CELL_SCALE = [
-    [0.0, STATUS_COLORS["rejected"]], [0.33, STATUS_COLORS["rejected"]],
-    [0.34, STATUS_COLORS["accepted"]], [0.66, STATUS_COLORS["accepted"]],
-    [0.67, STATUS_COLORS["bonus"]], [1.0, STATUS_COLORS["bonus"]],
+    [0.0, STATUS_COLORS["rejected"]], [0.24, STATUS_COLORS["rejected"]],
+    [0.25, STATUS_COLORS["accepted"]], [0.49, STATUS_COLORS["accepted"]],
+    [0.5, STATUS_COLORS["copied"]], [0.74, STATUS_COLORS["copied"]],
+    [0.75, STATUS_COLORS["bonus"]], [1.0, STATUS_COLORS["bonus"]],
 ]
 
 
@@ -31,10 +35,12 @@ def _token(decode: Decode, token: int) -> str:
 
 
 def step_cells(drafted: Drafted | None, verified: Verified) -> list[int]:
-    """Cell codes of one step, bottom up: accepted draft tokens, the bonus token, then the rest drafted."""
+    """Cell codes of one step, bottom up: accepted tokens (the draft model's or a lookup's copies), the bonus
+    token, then the rest drafted."""
     depth = max(node_depths(drafted.parents), default=0) if drafted else 0
     a = verified.num_accepted
-    return [ACCEPTED] * a + [BONUS] + [REJECTED] * max(depth - a, 0)
+    kinds = [COPIED if accepted_kind(drafted, n) == "copied" else ACCEPTED for n in verified.accepted_nodes]
+    return kinds + [BONUS] + [REJECTED] * max(depth - a, 0)
 
 
 @lru_cache(maxsize=8192)
@@ -44,7 +50,7 @@ def _cell_texts(drafted: Drafted | None, verified: Verified, decode: Decode) -> 
     if drafted is not None:
         for i, node in enumerate(verified.accepted_nodes):
             texts.append(f"step {verified.step}, draft token {i + 1}: “{_token(decode, drafted.tokens[node])}” "
-                         f"accepted (q={drafted.draft_probs[node]:.2f})")
+                         f"accepted ({_who(drafted, node)})")
     texts.append(f"step {verified.step}: bonus token “{_token(decode, verified.bonus_token)}” from the target")
     if drafted is not None:
         depths = node_depths(drafted.parents)
@@ -56,6 +62,14 @@ def _cell_texts(drafted: Drafted | None, verified: Verified, decode: Decode) -> 
             tokens = ", ".join(f"“{t}”" for t in by_depth[d][:6])
             texts.append(hover_text(f"step {verified.step}, depth {d}: not kept {tokens}"))
     return tuple(texts)
+
+
+def _who(drafted: Drafted, node: int) -> str:
+    """Who proposed a node, for a hover: the draft model with its q, a lookup with its copy's position, or both."""
+    source = drafted.sources[node] if drafted.sources else "draft"
+    model = f"draft model, q={drafted.draft_probs[node]:.2f}"
+    copy = f"copied by lookup from position {drafted.origins[node]}" if drafted.origins else ""
+    return {"draft": model, "lookup": copy, "both": f"{copy}; the {model} too"}[source]
 
 
 def tree_layout(parents: Sequence[int]) -> list[float]:
@@ -94,17 +108,20 @@ def _tree_traces(drafted: Drafted, verified: Verified, decode: Decode, axes: dic
     bx, by = (depths[last] + 1, ys[last]) if last >= 0 else (1, root_y)
     gx += [bx - 1 if last >= 0 else 0, bx, None]
     gy += [by if last >= 0 else root_y, by, None]
-    node_colors = [STATUS_COLORS["accepted"] if ok else STATUS_COLORS["rejected"] for ok in verified.accepted]
+    node_colors = [STATUS_COLORS[accepted_kind(drafted, n)] if ok else STATUS_COLORS["rejected"]
+                   for n, ok in enumerate(verified.accepted)]
+    symbols = ["diamond" if accepted_kind(drafted, n) == "copied" else "circle" for n in range(len(drafted.tokens))]
     labels = [_token(decode, t) for t in drafted.tokens]
-    hovers = [f"“{lab}” q={q:.2f} {'accepted' if ok else 'not kept'}"
-              for lab, q, ok in zip(labels, drafted.draft_probs, verified.accepted)]
+    hovers = [f"“{lab}” {'accepted' if ok else 'not kept'} ({_who(drafted, n)})"
+              for n, (lab, ok) in enumerate(zip(labels, verified.accepted))]
     bonus = _token(decode, verified.bonus_token)
     line = {"type": "scatter", "mode": "lines", "hoverinfo": "skip", **axes}
     return [
         {**line, "x": ex, "y": ey, "line": {"color": "#d0d7de", "width": 1}},
         {**line, "x": gx, "y": gy, "line": {"color": STATUS_COLORS["accepted"], "width": 3}},
         {"type": "scatter", "mode": "markers+text", "x": [0] + depths + [bx], "y": [root_y] + ys + [by],
-         "marker": {"size": 9, "color": ["#1f2933"] + node_colors + [STATUS_COLORS["bonus"]]},
+         "marker": {"size": 9, "color": ["#1f2933"] + node_colors + [STATUS_COLORS["bonus"]],
+                    "symbol": ["circle"] + symbols + ["circle"]},
          "text": ["root"] + labels + [bonus], "textfont": {"size": 10},
          "textposition": ["bottom center"] + [("top center", "bottom center")[d % 2] for d in depths] + ["top center"],
          "hovertext": ["last committed token"] + hovers + [f"bonus “{bonus}” from the target"],
@@ -129,7 +146,7 @@ def acceptance_spec(events: Sequence[Event], decode: Decode) -> Spec:
     text = [[t[row] if row < len(t) else "" for t in texts_by_step] for row in range(height)]
     cells = {
         "type": "heatmap", "x": steps, "y": list(range(1, height + 1)), "z": z, "text": text,
-        "hovertemplate": "%{text}<extra></extra>", "colorscale": CELL_SCALE, "zmin": 1, "zmax": 3,
+        "hovertemplate": "%{text}<extra></extra>", "colorscale": CELL_SCALE, "zmin": 1, "zmax": 4,
         "showscale": False, "xgap": 1 if len(steps) <= 150 else 0, "ygap": 1,
     }
 
@@ -157,8 +174,8 @@ def acceptance_spec(events: Sequence[Event], decode: Decode) -> Spec:
 
     mean_committed = sum(committed) / len(committed)
     headline = (f"{len(verified)} steps, one column each · {mean_committed:.2f} tokens committed per step<br>"
-                "<span style='font-size:12px'>green: draft tokens the target accepted · gold: the target's "
-                "bonus token · red: drafted, not kept</span>")
+                "<span style='font-size:12px'>green: the draft model's tokens the target accepted · violet: "
+                "tokens a lookup copied, accepted · gold: the target's bonus token · red: drafted, not kept</span>")
     sub = {"xref": "paper", "yref": "paper", "y": 0.41, "yanchor": "bottom", "showarrow": False,
            "xanchor": "left", "font": {"size": 12}}
     layout = base_layout(

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import plotly.graph_objects as go
 
-from specextend.events import Event, Finished, Prefilled, Started, Verified
+from specextend.events import Drafted, Event, Finished, Prefilled, Started, Verified
 
 Decode = Callable[[Sequence[int]], str]  # token ids -> text
 Spec = dict[str, Any]
@@ -22,6 +22,7 @@ E = TypeVar("E")
 
 STATUS_COLORS = {
     "accepted": "#2a9d8f",  # draft token the target agreed with
+    "copied": "#7b61ff",  # token a lookup copied from the document (or the output) that the target agreed with
     "rejected": "#e76f51",  # draft token the target refused
     "bonus": "#e9c46a",  # the target's own token ending a step
     "target": "#8d99ae",  # token from the target alone (prefill, autoregressive)
@@ -31,12 +32,14 @@ METHOD_COLORS = {
     "speculative": "#e76f51",
     "autoregressive": "#6c757d",
     "streaming": "#9b5de5",
+    "lookup": "#b5179e",
 }
 METHOD_LABELS = {
     "specextend": "SpecExtend",
     "speculative": "speculative (full draft cache)",
     "autoregressive": "target alone",
     "streaming": "StreamingLLM draft cache",
+    "lookup": "lookup drafting alone",
 }
 FONT = {"family": "Inter, system-ui, sans-serif", "size": 12, "color": "#1f2933"}
 
@@ -61,21 +64,32 @@ def stop_reason(events: Sequence[Event]) -> str:
     return finished[-1].stop_reason if finished else "running"
 
 
-def segments(events: Sequence[Event]) -> list[tuple[str, tuple[int, ...], int]]:
-    """The generated tokens as runs ``(source, token ids, step)``, source 'target', 'accepted' or 'bonus'.
+def accepted_kind(drafted: Drafted | None, node: int) -> str:
+    """'copied' for an accepted node a lookup proposed (alone or with the draft model), else 'accepted'."""
+    return "copied" if drafted is not None and drafted.sources and drafted.sources[node] != "draft" else "accepted"
 
-    The prefill's first token is the target's; each step commits its accepted draft tokens, then the
-    bonus token (either may be cut short at the token limit or EOS). Autoregressive steps commit one
-    target token each, reported as 'target'.
+
+def segments(events: Sequence[Event]) -> list[tuple[str, tuple[int, ...], int]]:
+    """The generated tokens as runs ``(source, token ids, step)``, source 'target', 'accepted', 'copied' or 'bonus'.
+
+    The prefill's first token is the target's; each step commits its accepted draft tokens (a run per
+    kind: the draft model's guesses, 'accepted', or a lookup's copies, 'copied'), then the bonus token
+    (either may be cut short at the token limit or EOS). Autoregressive steps commit one target token
+    each, reported as 'target'.
     """
     out: list[tuple[str, tuple[int, ...], int]] = []
     for p in of(events, Prefilled):
         out.append(("target", (p.first_token,), -1))
     autoregressive = method_of(events) == "autoregressive"
+    trees = {d.step: d for d in of(events, Drafted)}
     for v in of(events, Verified):
         drafted, rest = v.committed[: v.num_accepted], v.committed[v.num_accepted :]
-        if drafted:
-            out.append(("accepted", tuple(drafted), v.step))
+        for token, node in zip(drafted, v.accepted_nodes):
+            kind = accepted_kind(trees.get(v.step), node)
+            if out and out[-1][0] == kind and out[-1][2] == v.step:
+                out[-1] = (kind, out[-1][1] + (token,), v.step)
+            else:
+                out.append((kind, (token,), v.step))
         if rest:
             out.append(("target" if autoregressive else "bonus", tuple(rest), v.step))
     return out

@@ -4,7 +4,10 @@ Top: the document as a strip of chunks coloured by the target's latest final-lay
 (square root, so the long tail shows), the chunks in the working cache outlined; hovering a chunk shows
 its text. Bottom: one row per retrieval, one column per chunk, filled where the chunk was in the working
 cache, with a mark per row whose hover reads the output so far. A StreamingLLM run (no scores) shows
-the chunks its sink + recent window covers. Knows events; no gradio, no models.
+the chunks its sink + recent window covers. Where a lookup's copies were accepted, a second strip row
+(violet) shows the chunks they were copied from, the latest outlined: CMR choosing what the draft reads
+beside lookup copying what the document already says; lookup drafting alone gets that row and one row per
+copying step below it. Knows events; no gradio, no models.
 """
 
 from __future__ import annotations
@@ -15,9 +18,9 @@ from functools import lru_cache
 from typing import Sequence
 
 from specextend.events import Event, Prefilled, Retrieved, Verified
-from specextend.metrics import new_tokens
+from specextend.metrics import copies, new_tokens
 
-from .common import Decode, Spec, base_layout, hover_text, message_spec, method_of, of, prompt_ids, title
+from .common import STATUS_COLORS, Decode, Spec, base_layout, hover_text, message_spec, method_of, of, prompt_ids, title
 
 MAX_COLUMNS = 400  # more chunks than this are binned so a redraw stays small
 MAX_ROWS = 240  # the most recent retrievals drawn in the heatmap
@@ -80,15 +83,125 @@ def _binned(values: Sequence[float | None], width: int) -> list[float | None]:
     return out
 
 
+def _copy_row(events: Sequence[Event], size: int, n: int, sequence: Sequence[int], decode: Decode
+              ) -> tuple[list[int], list[str], tuple[int, tuple[int, ...]] | None]:
+    """Tokens a lookup copied from each of n chunks (accepted copies only), a hover per chunk, and the latest copy."""
+    counts = [0] * n
+    found = copies(events)
+    for _, origins in found:
+        for p in origins:
+            if p // size < n:
+                counts[p // size] += 1
+    texts = []
+    for i in range(n):
+        s, e = i * size, min((i + 1) * size, len(sequence))
+        texts.append(f"chunk {i} (tokens {s}–{e}): lookup copied {counts[i]} accepted token(s) from here"
+                     f"<br>{hover_text(decode(sequence[s:e]))}")
+    return counts, texts, (found[-1] if found else None)
+
+
+def _copied_outline(latest: tuple[int, tuple[int, ...]] | None, size: int, width: int) -> list[dict]:
+    """A violet box around the chunks the latest accepted copy came from (on the copy row, y = 1)."""
+    if latest is None:
+        return []
+    return [{"type": "rect", "xref": "x", "yref": "y", "x0": a - 0.5, "x1": b + 0.5, "y0": 0.5, "y1": 1.5,
+             "line": {"color": STATUS_COLORS["copied"], "width": 2}, "fillcolor": "rgba(0,0,0,0)"}
+            for a, b in _runs([p // size // width * width for p in latest[1]])]
+
+
+def _copy_headline(latest: tuple[int, tuple[int, ...]] | None, total: int, sequence: Sequence[int], prompt_len: int,
+                   decode: Decode) -> str:
+    if latest is None:
+        return "lookup has copied nothing the target accepted yet"
+    step, origins = latest
+    where = "the document" if origins[0] < prompt_len else "the output itself"
+    text = hover_text(decode(sequence[origins[0] : origins[-1] + 1]), width=1000, limit=60)
+    return (f"lookup copied {total} accepted token(s) so far; step {step} copied “{text}” from {where} "
+            f"(tokens {origins[0]}–{origins[-1] + 1})")
+
+
+def lookup_spec(events: Sequence[Event], decode: Decode, chunk_size: int = 32) -> Spec:
+    """The retrieval panel of lookup drafting alone: where in the document (or the output) its accepted copies
+    came from. Top: the chunks by tokens copied, the latest copy outlined; below: one row per step that copied."""
+    sequence = list(prompt_ids(events)) + new_tokens(events)
+    prompt_len = len(prompt_ids(events))
+    n = max(1, math.ceil(len(sequence) / chunk_size))
+    width = max(1, math.ceil(n / MAX_COLUMNS))
+    counts, texts, latest = _copy_row(events, chunk_size, n, sequence, decode)
+    columns = list(range(0, n, width))
+    top = max(counts) or 1
+    strip = {"type": "heatmap", "x": columns, "y": [1], "z": [_binned([c / top for c in counts], width)],
+             "text": [[texts[c] for c in columns]], "hovertemplate": "%{text}<extra></extra>",
+             "colorscale": [[0.0, "#f1f5f9"], [1.0, STATUS_COLORS["copied"]]], "zmin": 0.0, "zmax": 1.0,
+             "showscale": False, "xgap": 1 if n <= 120 else 0, "yaxis": "y"}
+    shown = copies(events)[-MAX_ROWS:]
+    rows = []
+    for _, origins in shown:
+        held = {p // chunk_size for p in origins}
+        rows.append(_binned([1 if i in held else 0 for i in range(n)], width))
+    heat = {"type": "heatmap", "x": columns, "y": [step for step, _ in shown], "z": rows,
+            "colorscale": [[0.0, "#e9eef3"], [1.0, STATUS_COLORS["copied"]]], "zmin": 0.0, "zmax": 1.0,
+            "showscale": False, "xgap": 1 if n <= 120 else 0, "ygap": 1 if len(shown) <= 60 else 0,
+            "hovertemplate": "step %{y} copied from chunk %{x}: %{z:.0f}<extra></extra>", "yaxis": "y2"}
+    total = sum(len(o) for _, o in copies(events))
+    headline = (f"Lookup: {total} accepted token(s) copied, from {sum(c > 0 for c in counts)} of {n} chunks<br>"
+                f"<span style='font-size:12px'>{_copy_headline(latest, total, sequence, prompt_len, decode)}</span>")
+    return {"data": [strip, heat], "layout": _layout(events, headline, n, width, columns, len(shown), chunk_size,
+                                                     [r[0] for r in shown], _copied_outline(latest, chunk_size, width),
+                                                     [], rows_title="step that copied", strip_rows=(1,))}
+
+
+def _layout(events: Sequence[Event], headline: str, n: int, width: int, columns: list[int], n_rows: int,
+            chunk_size: int, row_ticks: list[int], shapes: list[dict], annotations: list[dict], rows_title: str,
+            strip_rows: tuple[int, ...], height: int | None = None) -> dict:
+    """The panel's layout: the strip rows (0: CMR's chunks, 1: lookup's copies) over the history heatmap."""
+    prompt_len = len(prompt_ids(events))
+    seq_len = prompt_len + len(new_tokens(events))
+    if 0 < prompt_len < seq_len:
+        boundary = prompt_len / max(chunk_size, 1) - 0.5
+        shapes = shapes + [{"type": "line", "xref": "x", "yref": "paper", "x0": boundary, "x1": boundary, "y0": 0,
+                            "y1": 1, "line": {"color": "#52606d", "width": 1, "dash": "dot"}}]
+        annotations = annotations + [{"text": "output starts ▸", "xref": "x", "yref": "paper", "x": boundary, "y": 1.0,
+                                      "xanchor": "right", "yanchor": "bottom", "showarrow": False,
+                                      "font": {"size": 11}}]
+    if len(strip_rows) > 1:  # name the two rows at their left
+        annotations = annotations + [{"text": name, "xref": "x", "yref": "y", "x": -1.0 * width, "y": row,
+                                      "xanchor": "right", "showarrow": False, "font": {"size": 10, "color": "#52606d"}}
+                                     for row, name in ((0, "CMR"), (1, "copied"))]
+    height = height or 170 + 44 * (len(strip_rows) - 1) + min(260, 4 * n_rows + 40)
+    strip_share = 44 * len(strip_rows) / (height - 100)
+    return base_layout(
+        height,
+        title=title(headline),
+        margin={"l": 56, "r": 16, "t": 60, "b": 40},
+        xaxis={"title": {"text": "chunk of the document (then of the output)"},
+               "range": [-2.2 * width, columns[-1] + width / 2], "anchor": "y2", "zeroline": False, "showgrid": False},
+        yaxis={"domain": [1 - strip_share, 1.0], "visible": False, "range": [min(strip_rows) - 0.5, max(strip_rows) + 0.5],
+               "fixedrange": True},
+        yaxis2={"domain": [0.0, 1 - strip_share - 0.08], "title": {"text": rows_title}, "autorange": "reversed",
+                "anchor": "x", "zeroline": False, "showgrid": False,
+                **({"tickmode": "array", "tickvals": row_ticks} if n_rows <= 8 else {})},
+        shapes=shapes,
+        annotations=annotations,
+    )
+
+
 def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tuple[int, int]] | None = None,
                    height: int | None = None) -> Spec:
     """The retrieval panel for one run (its Retrieved events), as a Plotly figure dict.
 
-    `mark` = (name, token span) flags a passage (the needle) above the chunks that hold it.
+    `mark` = (name, token span) flags a passage (the needle) above the chunks that hold it. When a lookup's
+    copies were accepted, a second strip row shows which chunks they came from; lookup drafting alone, which
+    retrieves nothing, gets `lookup_spec`.
     """
     retrievals = of(events, Retrieved)
     if not retrievals:
         method = method_of(events)
+        if copies(events):
+            return lookup_spec(events, decode)
+        if method == "lookup":
+            return message_spec("waiting for the first copy: lookup proposes what followed earlier occurrences "
+                                "of the newest words")
         if method in ("autoregressive", "speculative"):
             why = "this method keeps the full prefix in the draft cache: there is no retrieval to show"
             if method == "autoregressive":
@@ -155,6 +268,7 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
                       for r in shown],
         "hoverinfo": "text",
     }
+    data = [strip, heat, said]
 
     shapes = [
         {"type": "rect", "xref": "x", "yref": "y", "x0": a - 0.5, "x1": b + 0.5, "y0": -0.5, "y1": 0.5,
@@ -162,12 +276,6 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
         for a, b in _runs([c // width * width for c in kept])
     ]
     annotations = []
-    if 0 < prompt_len < latest.seq_len:
-        boundary = prompt_len / max(latest.chunk_size, 1) - 0.5
-        shapes.append({"type": "line", "xref": "x", "yref": "paper", "x0": boundary, "x1": boundary, "y0": 0,
-                       "y1": 1, "line": {"color": "#52606d", "width": 1, "dash": "dot"}})
-        annotations.append({"text": "output starts ▸", "xref": "x", "yref": "paper", "x": boundary, "y": 1.0,
-                            "xanchor": "right", "yanchor": "bottom", "showarrow": False, "font": {"size": 11}})
     if mark is not None:
         name, (a, b) = mark
         size = max(latest.chunk_size, 1)
@@ -189,20 +297,21 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
                     f"({len(kept)} of {n} chunks)<br><span style='font-size:12px'>the attention sink plus the "
                     "most recent tokens, whatever the output is about</span>")
 
-    height = height or 170 + min(260, 4 * len(shown) + 40)
-    strip_share = 44 / (height - 100)
-    layout = base_layout(
-        height,
-        title=title(headline),
-        margin={"l": 56, "r": 16, "t": 60, "b": 40},
-        xaxis={"title": {"text": "chunk of the document (then of the output)"},
-               "range": [-2.2 * width, columns[-1] + width / 2],
-               "anchor": "y2", "zeroline": False, "showgrid": False},
-        yaxis={"domain": [1 - strip_share, 1.0], "visible": False, "range": [-0.5, 0.5], "fixedrange": True},
-        yaxis2={"domain": [0.0, 1 - strip_share - 0.08], "title": {"text": "retrieval after step"},
-                "autorange": "reversed", "anchor": "x", "zeroline": False, "showgrid": False,
-                **({"tickmode": "array", "tickvals": [r.step for r in shown]} if len(shown) <= 8 else {})},
-        shapes=shapes,
-        annotations=annotations,
-    )
-    return {"data": [strip, heat, said], "layout": layout}
+    strip_rows: tuple[int, ...] = (0,)
+    if copies(events):  # lookup's copies beside CMR's choice: two kinds of retrieval on one strip
+        size = max(latest.chunk_size, 1)
+        counts, copy_texts, last_copy = _copy_row(events, size, n, sequence, decode)
+        most = max(counts) or 1
+        data.append({**strip, "y": [1], "z": [_binned([c / most for c in counts], width)],
+                     "text": [[copy_texts[c] for c in columns]],
+                     "colorscale": [[0.0, "#f1f5f9"], [1.0, STATUS_COLORS["copied"]]]})
+        shapes += _copied_outline(last_copy, size, width)
+        total = sum(len(o) for _, o in copies(events))
+        headline += f"<br><span style='font-size:12px'>{_copy_headline(last_copy, total, sequence, prompt_len, decode)}</span>"
+        strip_rows = (0, 1)
+    layout = _layout(events, headline, n, width, columns, len(shown), latest.chunk_size, [r.step for r in shown], shapes,
+                     annotations, rows_title="retrieval after step", strip_rows=strip_rows,
+                     height=height and height + 44 * (len(strip_rows) - 1))
+    if len(strip_rows) > 1:
+        layout["margin"]["t"] = 76
+    return {"data": data, "layout": layout}

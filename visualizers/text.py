@@ -1,4 +1,5 @@
-"""Text panels as HTML: the output with accepted draft tokens coloured apart from the target's own,
+"""Text panels as HTML: the output with accepted draft tokens (the draft model's, and lookup's copies)
+coloured apart from the target's own,
 and the exactness check against the target's own greedy output. All text is escaped.
 Knows events; no gradio, no models.
 """
@@ -16,6 +17,8 @@ LEGEND = (
     "<div class='se-legend'>"
     f"<span style='background:{STATUS_COLORS['accepted']}33;border-bottom:2px solid {STATUS_COLORS['accepted']}'>"
     "draft token the target accepted</span> "
+    f"<span style='background:{STATUS_COLORS['copied']}2e;border-bottom:2px solid {STATUS_COLORS['copied']}'>"
+    "copied by lookup from the document or the output, then accepted</span> "
     "<span style='border-bottom:2px solid #c9d1d9'>the target's own token</span>"
     "</div>"
 )
@@ -30,6 +33,11 @@ def output_html(events: Sequence[Event], decode: Decode) -> str:
             parts.append(
                 f"<span class='se-draft' title='step {step}: {len(ids)} draft token(s) accepted' "
                 f"style='background:{STATUS_COLORS['accepted']}33'>{text}</span>"
+            )
+        elif source == "copied":
+            parts.append(
+                f"<span class='se-copy' title='step {step}: {len(ids)} token(s) copied by lookup and accepted' "
+                f"style='background:{STATUS_COLORS['copied']}2e'>{text}</span>"
             )
         else:
             where = "first token, from the prefill" if step < 0 else f"step {step}: the target's token"
