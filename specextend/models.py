@@ -185,20 +185,45 @@ SKINNY_ROWS = 16  # SkinnyLinear's upper bound on rows
 
 
 class SkinnyLinear(torch.nn.Linear):
-    """A Linear whose product for a few rows (a verification tree, a draft level) is taken weight-major.
+    """A Linear that takes a product over a few rows (a verification tree, a draft level) by the faster of
+    two CPU paths: the stock GEMM, or `weight @ x.T`, which reads the weight in place.
 
-    For 2-16 rows, the CPU GEMM packs the whole weight before multiplying, which costs more than the
-    product itself. `weight @ x.T` reads the weight in place: a 5-row verification of the bundled target at
-    4K took 210 instead of 234 ms (docs/RESULTS.md, "Engine changes"). One row and long inputs (prefill)
-    keep the stock path. The parameters, their names and their ties are unchanged.
+    Which is faster depends on the CPU. On an AVX2 machine the GEMM packed the whole weight before
+    multiplying, which cost more than the product (a 5-row verification of the bundled target at 4K: 234 ms
+    stock, 210 ms weight-major; docs/RESULTS.md, "Engine changes"); on an AVX-512 machine the stock path
+    was 3x faster for 2 rows of the 49,152-row output layer. So each (shape, rows, dtype) is timed once per
+    process, on first use, and the faster path kept. One row and long inputs (prefill) keep the stock path.
+    The parameters, their names and their ties are unchanged.
     """
+
+    weight_major: dict[tuple, bool] = {}  # (out, in, rows, dtype) -> the weight-major path is faster here
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[:-1].numel()
         if not 1 < rows <= SKINNY_ROWS or x.device.type != "cpu":
             return super().forward(x)
+        key = (self.out_features, self.in_features, rows, x.dtype)
+        if key not in SkinnyLinear.weight_major:
+            SkinnyLinear.weight_major[key] = self._time(self._weight_major, x) < self._time(super().forward, x)
+        if not SkinnyLinear.weight_major[key]:
+            return super().forward(x)
+        return self._weight_major(x)
+
+    def _weight_major(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[:-1].numel()
         out = (self.weight @ x.reshape(rows, -1).T).T.reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
+
+    @staticmethod
+    def _time(path, x: torch.Tensor, repeats: int = 3) -> float:
+        """The best of a few timings of one path (its first call is a warm-up)."""
+        path(x)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            path(x)
+            best = min(best, time.perf_counter() - start)
+        return best
 
 
 def prepare(model: PreTrainedModel) -> PreTrainedModel:

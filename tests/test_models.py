@@ -20,18 +20,24 @@ from specextend.models import DRAFT_VOCAB_FILE, SKINNY_ROWS, ReducedVocabHead, S
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 5, SKINNY_ROWS, SKINNY_ROWS + 1, 300])
-def test_skinny_linear_equals_linear(rows, bias):
+@pytest.mark.parametrize("weight_major", [False, True, None], ids=["stock", "weight-major", "timed"])
+def test_skinny_linear_equals_linear(rows, bias, weight_major, monkeypatch):
     torch.manual_seed(rows)
     stock = torch.nn.Linear(48, 80, bias=bias)
     skinny = torch.nn.Linear(48, 80, bias=bias)
     skinny.load_state_dict(stock.state_dict())
     skinny.__class__ = SkinnyLinear
+    monkeypatch.setattr(SkinnyLinear, "weight_major", {})
+    key = (80, 48, rows, torch.float32)
+    if weight_major is not None:  # force one path; None lets the first call time both and keep the faster
+        SkinnyLinear.weight_major[key] = weight_major
     x = torch.randn(1, rows, 48)  # (batch, rows, features), as a decoder layer feeds it
     got, want = skinny(x), stock(x)
     assert got.shape == want.shape == (1, rows, 80)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     got.sum().backward()  # the path stays differentiable
     assert skinny.weight.grad is not None and skinny.weight.grad.abs().sum() > 0
+    assert (key in SkinnyLinear.weight_major) == (1 < rows <= SKINNY_ROWS or weight_major is not None)
 
 
 def test_prepare_swaps_every_linear_and_keeps_names_and_ties():
