@@ -79,11 +79,14 @@ def add_lookup_arguments(parser: argparse.ArgumentParser) -> None:
                         help="lookup: which matches first: latest, commonest next token, or earliest")
     parser.add_argument("--lookup-with-draft", choices=("always", "on_miss"), default=lk.with_draft,
                         help="lookup with a draft model: merge both every step, or ask the draft model only on a miss")
+    parser.add_argument("--lookup-draft-gate", type=float, default=lk.draft_gate,
+                        help="lookup with a draft model: ask the draft model only while its last proposals averaged at "
+                             "least this many accepted tokens (0: always)")
 
 
 def lookup_from(args: argparse.Namespace, enabled: bool | None) -> LookupConfig:
     return LookupConfig(enabled, args.lookup_max_ngram, args.lookup_min_ngram, args.lookup_tokens,
-                        args.lookup_branches, args.lookup_rank, args.lookup_with_draft)
+                        args.lookup_branches, args.lookup_rank, args.lookup_with_draft, args.lookup_draft_gate)
 
 
 def config_from(args: argparse.Namespace, eos: tuple[int, ...]):

@@ -120,16 +120,19 @@ class LookupConfig:
     ranked by `rank`: `recent` (latest occurrence first), `frequent` (the commonest next token first, ties to the
     latest) or `first` (earliest occurrence first, as transformers' prompt lookup). `with_draft`: under a
     draft-model method, `always` merges the model's draft into the same tree; `on_miss` drafts with the model
-    only in steps where lookup found nothing.
+    only in steps where lookup found nothing. `draft_gate`: the draft model is asked only while its proposals
+    got at least this many tokens accepted per use, on average over its last uses; while below, it sits out
+    and is tried again now and then (0: always asked).
     """
 
     enabled: bool | None = None  # None: on exactly for method lookup; True adds lookup to a draft-model method
     max_ngram: int = 4
-    min_ngram: int = 2
-    max_tokens: int = 8
+    min_ngram: int = 3
+    max_tokens: int = 16
     branches: int = 1
     rank: Literal["recent", "frequent", "first"] = "recent"
-    with_draft: Literal["always", "on_miss"] = "always"
+    with_draft: Literal["always", "on_miss"] = "on_miss"
+    draft_gate: float = 1.0
 
     def __post_init__(self) -> None:
         if self.min_ngram < 1 or self.max_ngram < self.min_ngram:
@@ -142,6 +145,8 @@ class LookupConfig:
             raise ValueError(f"lookup rank must be 'recent', 'frequent' or 'first', got {self.rank!r}")
         if self.with_draft not in ("always", "on_miss"):
             raise ValueError(f"lookup with_draft must be 'always' or 'on_miss', got {self.with_draft!r}")
+        if not self.draft_gate >= 0.0:  # also rejects NaN
+            raise ValueError(f"lookup draft_gate must be >= 0 accepted tokens per use, got {self.draft_gate}")
 
     @property
     def budget(self) -> int:

@@ -114,6 +114,20 @@ def tree_mask(parents: tuple[int, ...] | list[int]) -> torch.Tensor:
     return mask
 
 
+def token_path(parents: list[int] | tuple[int, ...], node_tokens: list[int] | tuple[int, ...], tokens: list[int],
+               within=None) -> list[int]:
+    """The nodes (of `within`, if given) that spell a prefix of `tokens`, root to leaf."""
+    path: list[int] = []
+    node = -1
+    for token in tokens:
+        nodes = range(len(parents)) if within is None else within
+        node = next((i for i in nodes if parents[i] == node and node_tokens[i] == token), None)
+        if node is None:
+            break
+        path.append(node)
+    return path
+
+
 def draw_children(logq: torch.Tensor, n: int, generator: torch.Generator | None) -> list[int]:
     """n distinct tokens: the top-n of log q (greedy), or a draw without replacement from q (Gumbel top-n)."""
     n = min(n, int(torch.isfinite(logq).sum()))
@@ -218,7 +232,7 @@ class ModelDrafter:
             self.pending.extend(tokens)
             return
         base = tree.slot0 - len(self.pending)
-        fed = tree.fed_path(tokens)
+        fed = token_path(tree.parents, tree.tokens, tokens, within=tree.slot)  # a fed node's ancestors are fed
         keep = torch.cat([torch.arange(tree.slot0), torch.tensor([tree.slot[n] for n in fed], dtype=torch.long)])
         self.working.keep(keep)
         if self.working is not self.store:
@@ -266,17 +280,6 @@ class _Growing:
             self.depths.append(depth)
             self.cum.append(parent_cum + float(logq[token]))
             self.probs.append(math.exp(float(logq[token])))
-
-    def fed_path(self, tokens: list[int]) -> list[int]:
-        """The fed nodes that spell a prefix of `tokens`, root to leaf (a fed node's ancestors are all fed)."""
-        path: list[int] = []
-        node = -1
-        for token in tokens:
-            node = next((i for i in self.slot if self.parents[i] == node and self.tokens[i] == token), None)
-            if node is None:
-                return path
-            path.append(node)
-        return path
 
     def feed(self, model, cache: KVCache, nodes: list[int], kernel: str) -> torch.Tensor:
         """One draft forward over `nodes` (all at one depth); each sees its fed ancestors and itself."""

@@ -97,7 +97,7 @@ def make_drafter(pair: ModelPair, config: GenerationConfig, capacity: int) -> Dr
     if config.uses_lookup:
         lookup = LookupDrafter(config.lookup)
     if model is not None and lookup is not None:
-        return MergedDrafter(model, lookup, config.lookup.with_draft)
+        return MergedDrafter(model, lookup, config.lookup)
     return model or lookup
 
 

@@ -15,14 +15,14 @@ Knows token ids, positions and trees; knows nothing of models, caches or the tar
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
 
 from .config import LookupConfig
-from .drafting import DraftTree, ModelDrafter, graft
+from .drafting import DraftTree, ModelDrafter, graft, token_path
 from .retrieval import DraftCachePolicy, Selection
 from .verification import verify_greedy
 
@@ -152,13 +152,24 @@ class LookupDrafter:
         raise RuntimeError("lookup drafting keeps no draft cache: there is nothing to rebuild")
 
 
+GATE_USES = 4  # the draft model's last uses the gate averages over
+GATE_RETRY = 8  # a gated-off draft model is asked again after sitting out this many steps
+
+
 class MergedDrafter:
     """The draft model's tree with lookup branches grafted on at the root: one tree, one target forward.
 
-    `with_draft="on_miss"` asks the draft model only in steps where lookup found nothing."""
+    The draft model is asked every step (`with_draft="always"`) or only where lookup found nothing
+    (`"on_miss"`), and in either case only while it pays: once its last GATE_USES proposals averaged fewer
+    than `draft_gate` accepted tokens, it sits out until GATE_RETRY steps have passed, then is tried again.
+    Its working cache still follows every committed token (they wait as pending tokens) and every retrieval.
+    """
 
-    def __init__(self, model: ModelDrafter, lookup: LookupDrafter, with_draft: str) -> None:
-        self.model, self.lookup, self.with_draft = model, lookup, with_draft
+    def __init__(self, model: ModelDrafter, lookup: LookupDrafter, config: LookupConfig) -> None:
+        self.model, self.lookup, self.config = model, lookup, config
+        self.gains: deque[int] = deque(maxlen=GATE_USES)  # accepted draft-model tokens per use
+        self.idle = 0  # steps sat out since the gate closed
+        self._tree: DraftTree | None = None  # this step's tree, when the draft model helped build it
 
     @property
     def policy(self) -> DraftCachePolicy:
@@ -172,13 +183,30 @@ class MergedDrafter:
         self.lookup.prefill(prompt, stop)
         return self.model.prefill(prompt, stop)
 
+    def ask_model(self, found: bool) -> bool:
+        """Whether the draft model drafts this step."""
+        if found and self.config.with_draft == "on_miss":
+            return False
+        paying = len(self.gains) < GATE_USES or sum(self.gains) / GATE_USES >= self.config.draft_gate
+        if paying or self.idle >= GATE_RETRY:
+            self.idle = 0
+            return True
+        self.idle += 1
+        return False
+
     def propose(self, room: int, generator: torch.Generator | None) -> DraftTree:
         found = self.lookup.find(room)
-        skip_model = found and self.with_draft == "on_miss"
-        tree = DraftTree.empty() if skip_model else self.model.propose(room, generator)
-        return graft(tree, [(c.tokens, c.start) for c in found])
+        asked = self.ask_model(bool(found))
+        tree = graft(self.model.propose(room, generator) if asked else DraftTree.empty(),
+                     [(c.tokens, c.start) for c in found])
+        self._tree = tree if asked else None
+        return tree
 
     def commit(self, tokens: list[int]) -> None:
+        if self._tree is not None:  # how many committed tokens the draft model proposed (alone or with a lookup)
+            path = token_path(self._tree.parents, self._tree.tokens, tokens)
+            self.gains.append(sum(self._tree.sources[n] != "lookup" for n in path))
+            self._tree = None
         self.model.commit(tokens)
         self.lookup.commit(tokens)
 

@@ -18,7 +18,7 @@ from specextend import events as ev
 from specextend.config import DraftConfig, GenerationConfig, LookupConfig, RetrievalConfig, preset
 from specextend.drafting import DraftTree, graft
 from specextend.engine import generate
-from specextend.lookup import Continuation, NgramIndex, continuations, replay
+from specextend.lookup import GATE_RETRY, GATE_USES, Continuation, NgramIndex, continuations, replay
 from specextend.metrics import summarize, tokens_by_source
 
 N_NEW = 40
@@ -42,9 +42,9 @@ def test_no_match_and_no_room():
 
 def test_room_and_the_sequence_end_cut_the_continuation():
     seq = [4, 5, 6, 7, 8, 4, 5]
-    assert continuations(seq, LookupConfig(max_tokens=8), room=2) == [Continuation((6, 7), 2)]
+    assert continuations(seq, LookupConfig(min_ngram=2, max_tokens=8), room=2) == [Continuation((6, 7), 2)]
     # the latest earlier [4, 5] is followed only by what the sequence has so far
-    assert continuations([4, 5, 4, 5], LookupConfig(max_tokens=8), room=8) == [Continuation((4, 5), 2)]
+    assert continuations([4, 5, 4, 5], LookupConfig(min_ngram=2, max_tokens=8), room=8) == [Continuation((4, 5), 2)]
 
 
 def test_recent_first_and_frequent_ranks():
@@ -154,12 +154,13 @@ def prompt_of(length: int, seed: int) -> list[int]:
 
 
 LOOKUPS = [LookupConfig(enabled=True), LookupConfig(enabled=True, min_ngram=1, max_tokens=3, branches=3, rank="frequent"),
-           LookupConfig(enabled=True, max_ngram=2, max_tokens=12, rank="first", with_draft="on_miss")]
+           LookupConfig(enabled=True, min_ngram=2, max_ngram=2, max_tokens=12, rank="first", with_draft="always",
+                        draft_gate=0.0)]
 RETRIEVAL = RetrievalConfig(chunk_size=16, top_k=4, retrieve_every=2, prefill_window=32)
 
 
 @pytest.mark.parametrize("method", ["lookup", "speculative", "streaming", "specextend"])
-@pytest.mark.parametrize("lookup", LOOKUPS, ids=["default", "short3", "on_miss"])
+@pytest.mark.parametrize("lookup", LOOKUPS, ids=["default", "short3", "always"])
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 def test_greedy_equals_target_with_lookup(bigram_pair, llama_pair, method, lookup, shape):
     draft = DraftConfig(shape=shape, k=3, max_depth=4, node_budget=8, stop_threshold=0.0)
@@ -201,6 +202,30 @@ def test_replay_is_what_the_engine_does(bigram_pair, lookup):
     assert sum(a for a, _ in steps) > 0
 
 
+def test_a_draft_model_that_does_not_pay_sits_out_and_is_retried(bigram_pair):
+    prompt = prompt_of(120, seed=8)
+    asked, traces = {}, {}
+    for gate in (1.0, 0.0):
+        lookup = LookupConfig(enabled=True, with_draft="always", draft_gate=gate)
+        traces[gate] = list(generate(bigram_pair, prompt, preset("speculative", max_new_tokens=60, lookup=lookup)))
+        assert list(traces[gate][-1].token_ids) == reference_greedy(bigram_pair.target, prompt, 60)
+        asked[gate] = [e.draft_forwards > 0 for e in traces[gate] if isinstance(e, ev.Drafted)]
+    assert all(asked[0.0])  # no gate: asked every step
+    drafted = [e for e in traces[1.0] if isinstance(e, ev.Drafted)]
+    verified = {e.step: e for e in traces[1.0] if isinstance(e, ev.Verified)}
+    # the gate, step by step: asked while its last GATE_USES uses averaged >= 1 accepted token (or it has fewer
+    # uses), else only after sitting out GATE_RETRY steps
+    gains, idle, want = [], 0, []
+    for d in drafted:
+        paying = len(gains) < GATE_USES or sum(gains[-GATE_USES:]) / GATE_USES >= 1.0
+        want.append(paying or idle >= GATE_RETRY)
+        idle = 0 if want[-1] else idle + 1
+        if want[-1]:
+            gains.append(sum(d.sources[n] != "lookup" for n in verified[d.step].accepted_nodes))
+    assert asked[1.0] == want
+    assert want[:GATE_USES] == [True] * GATE_USES and want.count(False) > len(want) // 2  # the random draft sits out
+
+
 def test_merged_sampling_runs_reproducibly(bigram_pair):
     config = preset("specextend", max_new_tokens=N_NEW, temperature=0.1, seed=3, retrieval=RETRIEVAL,
                     lookup=LookupConfig(enabled=True, branches=2), draft=DraftConfig(shape="tree", node_budget=6))
@@ -223,4 +248,4 @@ def test_lookup_settings_are_checked():
         GenerationConfig(method="lookup", lookup=LookupConfig(enabled=False))
     assert preset("lookup").uses_lookup and not preset("lookup").uses_draft
     assert not preset("specextend").uses_lookup
-    assert preset("specextend", lookup=LookupConfig(enabled=True, branches=2)).tree_budget == 4 + 16
+    assert preset("specextend", lookup=LookupConfig(enabled=True, branches=2, max_tokens=8)).tree_budget == 4 + 16
