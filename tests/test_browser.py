@@ -1,7 +1,8 @@
 """The app in a real browser: Debian chromium driven by Playwright. Loads the page, picks a sample
 document, runs a short race (SpecExtend, then standard speculative decoding), waits for every panel to
 draw (checked in the DOM), checks the panels against the run's exported trace, and saves screenshots
-under test-output/. Uses the bundled pair when the engine and the bundled draft are present, else the
+under test-output/. Then lookup drafting alone on a task that makes the target copy: the copied stretches
+are marked in the output and the retrieval panel shows where they came from. Uses the bundled pair when the engine and the bundled draft are present, else the
 fake engine (tests/fixtures/fake_engine.py); the test id says which.
 """
 
@@ -151,4 +152,43 @@ def test_needle_teaching_tab_draws_both_caches(studio_url, browser, engine):
     assert page.inner_text("#needle-answers").count("\n") >= 2
     OUT.mkdir(exist_ok=True)
     page.screenshot(path=str(OUT / f"needle-{engine}.png"), full_page=True)
+    page.close()
+
+
+COPY_TASK = "Copy the first two sentences of the document exactly, word for word."
+
+
+@pytest.mark.parametrize("engine", [ENGINE])
+def test_lookup_copies_show_in_the_output_and_the_retrieval_panel(studio_url, browser, engine):
+    if engine == "fake":
+        pytest.skip("the fake engine drafts no lookup copies: this check needs the bundled pair")
+    url, _ = studio_url
+    page = browser.new_page(viewport={"width": 1500, "height": 1100})
+    page.goto(url)
+    page.wait_for_selector("#run")
+    pick_sample(page, DOCUMENT_CHARS)
+    page.fill("#task textarea, #task input", COPY_TASK)
+    page.get_by_label("lookup drafting alone (copies, no draft model)").check()
+    for name in ("standard speculative decoding", "the target alone (also checks exactness)"):
+        page.get_by_role("checkbox", name=name).uncheck()
+    page.get_by_text("Knobs").click()
+    set_number(page, "#max-new input[type=number]", 24)
+    page.click("#run")
+    page.wait_for_function("document.querySelector('#status').innerText.includes('Done.')", timeout=900_000)
+    assert "se-bad" not in page.inner_html("#status"), page.inner_text("#status")
+    page.wait_for_function("(document.querySelector('#retrieval-plot .js-plotly-plot')?._fullData || []).length > 0",
+                           timeout=60_000)
+    with page.expect_download() as download:
+        page.click("#download")
+    events = json.loads(Path(download.value.path()).read_text())["runs"]["lookup"]
+    drafted = {e["step"]: e for e in events if e["type"] == "Drafted"}
+    copied = [e["step"] for e in events if e["type"] == "Verified"
+              and any(drafted[e["step"]]["sources"][n] != "draft" for n in e["accepted_nodes"][: len(e["committed"])])]
+    assert copied, "the target copied nothing from the document: no lookup tokens were accepted"
+    assert page.locator("#output .se-copy").count() >= 1  # copied stretches are marked in the text
+    strip, rows = plot_data(page, "retrieval-plot")
+    assert strip["y"] == [1] and rows["y"] == copied  # the copy strip, and a row per step that copied
+    assert "Lookup:" in page.inner_text("#retrieval-plot")
+    OUT.mkdir(exist_ok=True)
+    page.screenshot(path=str(OUT / f"lookup-{engine}.png"), full_page=True)
     page.close()
