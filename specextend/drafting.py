@@ -24,7 +24,6 @@ import torch
 from .attention import AttentionPlan
 from .cache import KVCache, reposition
 from .config import DraftConfig, GenerationConfig
-from .events import SOURCES
 from .models import forward, rope_inv_freq
 from .retrieval import DraftCachePolicy, Selection
 from .verification import sampling_probs

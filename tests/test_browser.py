@@ -125,7 +125,7 @@ def test_a_race_draws_every_panel(studio_url, browser, engine):
     acceptance = plot_data(page, "acceptance-plot")
     assert acceptance[0]["type"] == "heatmap" and acceptance[0]["x"] == verified  # a column per step
     curves = [t["name"] for t in plot_data(page, "throughput-plot") if t["type"] == "scatter"]
-    assert curves == ["SpecExtend", "speculative (full draft cache)"]
+    assert curves == ["SpecExtend + lookup", "speculative (full draft cache)"]  # lookup is added to the main run
     assert "speedup" in page.inner_text("#readout")
 
     OUT.mkdir(exist_ok=True)

@@ -186,6 +186,13 @@ def expected_first_two(p0: torch.Tensor, p1: torch.Tensor) -> tuple[np.ndarray, 
     return p0.double().numpy(), (p0.double()[:, None] * p1.double()).flatten().numpy()
 
 
+def pvalues(committed: list[list[int]], p0: torch.Tensor, p1: torch.Tensor, seed: int) -> tuple[float, float]:
+    """Chi-square p-values of the first committed token, and of the first two, against the target's p."""
+    first, second = first_two(committed, p1, torch.Generator().manual_seed(seed))
+    want_first, want_joint = expected_first_two(p0, p1)
+    return chi2_pvalue(first, want_first), chi2_pvalue(first * V + second, want_joint)
+
+
 def sample_chain(n: int, seed: int, draft: str = "sampled") -> list[list[int]]:
     """n depth-2 chain steps: x1 ~ q0, x2 ~ q1[x1] (or the top-q tokens, for a wrong draft), verified."""
     p0, q0, p1, q1, p2 = model_pq(seed)
@@ -241,10 +248,8 @@ N_WRONG = 3_000  # a wrong rule must fail even with a fraction of the samples
 def test_chain_sampling_keeps_the_target_distribution():
     p0, _, p1, _, _ = model_pq(0)
     committed = sample_chain(N_CHAIN, seed=0)
-    first, second = first_two(committed, p1, torch.Generator().manual_seed(9))
-    want_first, want_joint = expected_first_two(p0, p1)
-    assert chi2_pvalue(first, want_first) > ALPHA
-    assert chi2_pvalue(first * V + second, want_joint) > ALPHA
+    p_first, p_joint = pvalues(committed, p0, p1, seed=9)
+    assert p_first > ALPHA and p_joint > ALPHA
     # both draft tokens were accepted often enough for the joint to test the second verification
     assert sum(len(c) == 3 for c in committed) > N_CHAIN // 10
 
@@ -252,10 +257,8 @@ def test_chain_sampling_keeps_the_target_distribution():
 def test_chain_chi_square_rejects_a_greedy_draft_treated_as_a_sample():
     p0, _, p1, _, _ = model_pq(0)
     committed = sample_chain(N_WRONG, seed=0, draft="top-q")
-    first, second = first_two(committed, p1, torch.Generator().manual_seed(9))
-    want_first, want_joint = expected_first_two(p0, p1)
-    assert chi2_pvalue(first, want_first) < ALPHA
-    assert chi2_pvalue(first * V + second, want_joint) < ALPHA
+    p_first, p_joint = pvalues(committed, p0, p1, seed=9)
+    assert p_first < ALPHA and p_joint < ALPHA
 
 
 def test_chain_chi_square_rejects_a_bonus_drawn_from_p_instead_of_the_residual():
@@ -276,11 +279,9 @@ def test_chain_chi_square_rejects_a_bonus_drawn_from_p_instead_of_the_residual()
 
 def test_tree_sampling_keeps_the_target_distribution():
     committed, (p0, _, p1, _, _) = sample_tree(N_TREE, seed=1, root_children=3, grandchildren=2, p_zero=5)
-    first, second = first_two(committed, p1, torch.Generator().manual_seed(8))
-    want_first, want_joint = expected_first_two(p0, p1)
-    assert want_first[5] == 0  # the draft proposes token 5 often; the target never emits it
-    assert chi2_pvalue(first, want_first) > ALPHA
-    assert chi2_pvalue(first * V + second, want_joint) > ALPHA
+    p_first, p_joint = pvalues(committed, p0, p1, seed=8)
+    assert p0[5] == 0  # the draft proposes token 5 often; the target never emits it
+    assert p_first > ALPHA and p_joint > ALPHA
     # a later sibling and a depth-2 node were accepted, so every branch of the rule was exercised
     assert sum(len(c) == 3 for c in committed) > N_TREE // 10
 
@@ -288,20 +289,16 @@ def test_tree_sampling_keeps_the_target_distribution():
 def test_tree_sampling_with_the_whole_vocabulary_at_the_root():
     """Every token is a root child: the proposal runs out, and the residual must still be right."""
     committed, (p0, _, p1, _, _) = sample_tree(N_TREE // 2, seed=2, root_children=V, grandchildren=0)
-    first, second = first_two(committed, p1, torch.Generator().manual_seed(7))
-    want_first, want_joint = expected_first_two(p0, p1)
-    assert chi2_pvalue(first, want_first) > ALPHA
-    assert chi2_pvalue(first * V + second, want_joint) > ALPHA
+    p_first, p_joint = pvalues(committed, p0, p1, seed=7)
+    assert p_first > ALPHA and p_joint > ALPHA
 
 
 def test_tree_chi_square_rejects_top_k_children():
     """Children taken deterministically as the top-k of q (not drawn without replacement) bias the output."""
     committed, (p0, _, p1, _, _) = sample_tree(N_WRONG, seed=1, root_children=3, grandchildren=2, children="top-k",
                                                p_zero=5)
-    first, second = first_two(committed, p1, torch.Generator().manual_seed(8))
-    want_first, want_joint = expected_first_two(p0, p1)
-    assert chi2_pvalue(first, want_first) < ALPHA
-    assert chi2_pvalue(first * V + second, want_joint) < ALPHA
+    p_first, p_joint = pvalues(committed, p0, p1, seed=8)
+    assert p_first < ALPHA and p_joint < ALPHA
 
 
 def sample_grafted(n: int, seed: int, lookups: list[tuple[int, ...]], point: bool = True) -> tuple[list[list[int]], tuple]:
@@ -332,18 +329,14 @@ LOOKUP_BRANCHES = [(5, 1), (2, 4, 0), (0,)]  # 5: the target never emits it; 2 a
 
 def test_tree_with_lookup_branches_keeps_the_target_distribution():
     committed, (p0, _, p1, _, _) = sample_grafted(N_TREE, seed=4, lookups=LOOKUP_BRANCHES)
-    first, second = first_two(committed, p1, torch.Generator().manual_seed(6))
-    want_first, want_joint = expected_first_two(p0, p1)
-    assert chi2_pvalue(first, want_first) > ALPHA
-    assert chi2_pvalue(first * V + second, want_joint) > ALPHA
+    p_first, p_joint = pvalues(committed, p0, p1, seed=6)
+    assert p_first > ALPHA and p_joint > ALPHA
     assert sum(len(c) == 3 for c in committed) > N_TREE // 10
 
 
 def test_tree_chi_square_rejects_lookup_nodes_treated_as_draws_from_q():
     committed, (p0, _, p1, _, _) = sample_grafted(N_WRONG, seed=4, lookups=LOOKUP_BRANCHES, point=False)
-    first, second = first_two(committed, p1, torch.Generator().manual_seed(6))
-    want_first, want_joint = expected_first_two(p0, p1)
-    assert chi2_pvalue(first * V + second, want_joint) < ALPHA
+    assert pvalues(committed, p0, p1, seed=6)[1] < ALPHA
 
 
 def test_sampling_edge_cases():

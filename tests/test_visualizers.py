@@ -255,3 +255,10 @@ def test_lookup_alone_gets_a_row_per_copying_step(lookup_traces):
     for row, (_, origins) in zip(heat["z"], found):
         assert {i for i, v in enumerate(row) if v} == {p // 32 for p in origins}
     assert spec["layout"]["title"]["text"].startswith("Lookup:")
+
+
+def test_speed_panel_names_a_run_with_lookup_added(lookup_traces):
+    spec = throughput_spec(lookup_traces)
+    curves = [t["name"] for t in spec["data"] if t["type"] == "scatter"]
+    assert curves == ["lookup drafting alone", "SpecExtend + lookup"]
+    assert "SpecExtend + lookup" in throughput_html(lookup_traces)

@@ -103,6 +103,13 @@ def short_label(method: str) -> str:
     return {"specextend": "SpecExtend", "autoregressive": "target alone"}.get(method, method)
 
 
+def with_lookup(events: Sequence[Event], name: str) -> str:
+    """A run's name, marked when lookup branches were added to a draft-model method."""
+    started = of(events, Started)
+    added = started and started[0].method != "lookup" and (started[0].config.get("lookup") or {}).get("enabled")
+    return f"{name} + lookup" if added else name
+
+
 STOP_REASONS = {"max_new_tokens": "reached the token limit", "eos": "finished its answer", "stopped": "stopped",
                 "error": "failed", "running": "running"}
 

@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 from specextend.events import Event
 from specextend.metrics import committed_curve, phase_seconds, summarize
 
-from .common import Spec, base_layout, color, ending, label, message_spec, short_label, title
+from .common import Spec, base_layout, color, ending, label, message_spec, short_label, title, with_lookup
 
 PHASE_COLORS = {
     "prefill": "#adb5bd",
@@ -49,12 +49,13 @@ def throughput_spec(runs: Mapping[str, Sequence[Event]]) -> Spec:
     for method, events in runs.items():
         curve = [(0.0, 0)] + committed_curve(events)
         data.append({
-            "type": "scatter", "mode": "lines", "name": label(method), "x": [t for t, _ in curve],
+            "type": "scatter", "mode": "lines", "name": with_lookup(events, label(method)), "x": [t for t, _ in curve],
             "y": [n for _, n in curve], "line": {"color": color(method), "width": 3, "shape": "hv"},
-            "hovertemplate": f"{html.escape(label(method))}: %{{y}} tokens at %{{x:.2f}} s<extra></extra>",
+            "hovertemplate": f"{html.escape(with_lookup(events, label(method)))}: %{{y}} tokens at %{{x:.2f}} s"
+                             "<extra></extra>",
             "legend": "legend", "showlegend": True,
         })
-    names = [short_label(m) for m in runs]
+    names = [with_lookup(ev, short_label(m)) for m, ev in runs.items()]
     breakdowns = [phase_breakdown(ev) for ev in runs.values()]
     for phase, shade in PHASE_COLORS.items():
         data.append({
@@ -90,7 +91,7 @@ def throughput_html(runs: Mapping[str, Sequence[Event]]) -> str:
         if reference and reference != method and s.e2e_tokens_per_s > 0:
             speedup = f"{s.e2e_tokens_per_s / summaries[reference].e2e_tokens_per_s:.2f}×"
         rows.append(
-            f"<tr><td><span style='color:{color(method)}'>■</span> {html.escape(label(method))}</td>"
+            f"<tr><td><span style='color:{color(method)}'>■</span> {html.escape(with_lookup(runs[method], label(method)))}</td>"
             f"<td>{html.escape(ending(runs[method]))}</td><td>{s.new_tokens}</td><td>{s.total_s:.2f} s</td>"
             f"<td><b>{s.e2e_tokens_per_s:.1f}</b></td><td>{s.decode_tokens_per_s:.1f}</td>"
             f"<td>{s.mean_accepted:.2f}</td><td><b>{speedup}</b></td></tr>"
