@@ -5,7 +5,7 @@ Run from the repository root: `python -m scripts.lookup_sweep [--lengths 1024,71
 1. The target's greedy output (the `autoregressive` method of the engine) on every bundled document, cut to
    each length with the benchmark's summarization prompt, is computed once and cached as JSON (--cache).
 2. `specextend.lookup.replay` runs lookup drafting on each output for a grid of settings (longest and
-   shortest n-gram, tokens per branch, branches, rank) with no model: it gives the tokens each step would
+   shortest n-gram, tokens per branch, branches, rank, adaptive length) with no model: it gives the tokens each step would
    commit and the nodes it would send to the target, exactly as the engine's `lookup` method would.
 3. The target's verification cost by node count is measured at each length (one forward over the root and
    n chain nodes, timed against n = 0, which is an autoregressive step; medians of alternating repeats),
@@ -40,7 +40,7 @@ from specextend.models import load_pair
 
 NODES = (0, 1, 2, 4, 8, 12, 16, 24, 32, 48)  # node counts whose verification cost is measured
 GRID = dict(max_ngram=(2, 3, 4, 6), min_ngram=(1, 2, 3), max_tokens=(4, 8, 12, 16), branches=(1, 2, 3),
-            rank=("recent", "frequent", "first"))
+            rank=("recent", "frequent", "first"), adaptive=(False, True))
 
 
 def outputs(lengths: list[int], max_new_tokens: int, cache: Path, threads: int) -> list[dict]:
@@ -138,10 +138,11 @@ def markdown(rows: list[dict], top: int) -> str:
         docs = list(mine[0]["per_document"])
         lines += [f"**~{length} input tokens**: the {top} best settings by estimated speedup (pooled over documents; "
                   "the last columns are tokens per step per document)", "",
-                  "| max n | min n | tokens | branches | rank | tokens/step | nodes/step | est. x AR | "
-                  + " | ".join(docs) + " |", "|---" * (8 + len(docs)) + "|"]
+                  "| max n | min n | tokens | branches | rank | adaptive | tokens/step | nodes/step | est. x AR | "
+                  + " | ".join(docs) + " |", "|---" * (9 + len(docs)) + "|"]
         for r in mine[:top]:
             lines.append(f"| {r['max_ngram']} | {r['min_ngram']} | {r['max_tokens']} | {r['branches']} | {r['rank']} | "
+                         f"{'yes' if r['adaptive'] else 'no'} | "
                          f"{r['tokens_per_step']:.2f} | {r['nodes_per_step']:.1f} | {r['estimated_speedup']:.2f} | "
                          + " | ".join(f"{r['per_document'][d]:.2f}" for d in docs) + " |")
         lines.append("")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ def main(argv=None) -> int:
                    "(to check on text nobody tuned for)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--adaptive", action="store_true", help="lookup's adaptive branch length in every lookup method")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.threads:
@@ -45,15 +47,16 @@ def main(argv=None) -> int:
     pair = load_pair(target, draft, "cpu", "float32")
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     base = dict(max_new_tokens=args.max_new_tokens, eos_token_ids=eos_ids(tokenizer, pair.target))
+    lk = LookupConfig(adaptive=args.adaptive)
     configs = {
         "target alone": preset("autoregressive", **base),
-        "lookup alone": preset("lookup", **base),
+        "lookup alone": preset("lookup", lookup=lk, **base),
         "specextend": preset("specextend", **base),
-        "specextend + lookup (defaults: on a miss, gated)": preset("specextend", lookup=LookupConfig(enabled=True), **base),
-        "specextend + lookup, on a miss, no gate": preset("specextend", lookup=LookupConfig(enabled=True, draft_gate=0.0),
+        "specextend + lookup (defaults: on a miss, gated)": preset("specextend", lookup=replace(lk, enabled=True), **base),
+        "specextend + lookup, on a miss, no gate": preset("specextend", lookup=replace(lk, enabled=True, draft_gate=0.0),
                                                           **base),
         "specextend + lookup, every step, no gate": preset(
-            "specextend", lookup=LookupConfig(enabled=True, with_draft="always", draft_gate=0.0), **base),
+            "specextend", lookup=replace(lk, enabled=True, with_draft="always", draft_gate=0.0), **base),
     }
     lengths = [int(x) for x in args.lengths.split(",")]
     if args.files:

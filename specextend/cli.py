@@ -79,14 +79,18 @@ def add_lookup_arguments(parser: argparse.ArgumentParser) -> None:
                         help="lookup: which matches first: latest, commonest next token, or earliest")
     parser.add_argument("--lookup-with-draft", choices=("always", "on_miss"), default=lk.with_draft,
                         help="lookup with a draft model: merge both every step, or ask the draft model only on a miss")
+    parser.add_argument("--lookup-adaptive", action=argparse.BooleanOptionalAction, default=lk.adaptive,
+                        help="lookup: a branch is at most 2a + 2 tokens, a = tokens of the last proposal committed")
     parser.add_argument("--lookup-draft-gate", type=float, default=lk.draft_gate,
                         help="lookup with a draft model: ask the draft model only while its last proposals averaged at "
                              "least this many accepted tokens (0: always)")
 
 
 def lookup_from(args: argparse.Namespace, enabled: bool | None) -> LookupConfig:
-    return LookupConfig(enabled, args.lookup_max_ngram, args.lookup_min_ngram, args.lookup_tokens,
-                        args.lookup_branches, args.lookup_rank, args.lookup_with_draft, args.lookup_draft_gate)
+    return LookupConfig(enabled=enabled, max_ngram=args.lookup_max_ngram, min_ngram=args.lookup_min_ngram,
+                        max_tokens=args.lookup_tokens, branches=args.lookup_branches, rank=args.lookup_rank,
+                        with_draft=args.lookup_with_draft, adaptive=args.lookup_adaptive,
+                        draft_gate=args.lookup_draft_gate)
 
 
 def config_from(args: argparse.Namespace, eos: tuple[int, ...]):

@@ -120,7 +120,8 @@ class LookupConfig:
     ranked by `rank`: `recent` (latest occurrence first), `frequent` (the commonest next token first, ties to the
     latest) or `first` (earliest occurrence first, as transformers' prompt lookup). `with_draft`: under a
     draft-model method, `always` merges the model's draft into the same tree; `on_miss` drafts with the model
-    only in steps where lookup found nothing. `draft_gate`: the draft model is asked only while its proposals
+    only in steps where lookup found nothing. `adaptive`: a branch is at most 2a + 2 tokens long, a being how
+    many tokens of the last proposal were committed. `draft_gate`: the draft model is asked only while its proposals
     got at least this many tokens accepted per use, on average over its last uses; while below, it sits out
     and is tried again now and then (0: always asked).
     """
@@ -132,6 +133,7 @@ class LookupConfig:
     branches: int = 1
     rank: Literal["recent", "frequent", "first"] = "recent"
     with_draft: Literal["always", "on_miss"] = "on_miss"
+    adaptive: bool = False
     draft_gate: float = 1.0
 
     def __post_init__(self) -> None:

@@ -110,42 +110,55 @@ def branch_tree(found: list[Continuation]) -> DraftTree:
 def replay(prompt: Sequence[int], output: Sequence[int], config: LookupConfig, max_new_tokens: int | None = None
            ) -> list[tuple[int, int]]:
     """Lookup drafting alone, replayed on a known greedy output: (num_accepted, nodes proposed) per step.
-    What the engine's `lookup` method does on that output, without the target (offline sweeps)."""
+    The engine's `lookup` method on that output, without the target (offline sweeps): the same drafter."""
     limit = max_new_tokens or len(output)
-    index = NgramIndex(config.min_ngram, config.max_ngram)
-    index.extend([*prompt, *output[:1]])
+    drafter = LookupDrafter(config)
+    drafter.prefill(list(prompt), None)
+    drafter.commit(list(output[:1]))
     done, steps = 1, []
     while done < len(output):
-        tree = branch_tree(index.continuations(config, limit - done - 1))
+        tree = drafter.propose(limit - done - 1, None)
         wanted = [output[done + d] if done + d < len(output) else -1 for d in (0, *tree.depths)]  # per row
         path, _ = verify_greedy(tree.parents, tree.tokens, wanted)
-        committed = output[done : done + len(path) + 1]
-        index.extend(committed)
+        committed = list(output[done : done + len(path) + 1])
+        drafter.commit(committed)
         done += len(committed)
         steps.append((len(path), len(tree.tokens)))
     return steps
 
 
 class LookupDrafter:
-    """Drafts by lookup alone: no draft model, so no draft cache (the full policy, never rebuilt)."""
+    """Drafts by lookup alone: no draft model, so no draft cache (the full policy, never rebuilt).
+
+    With `config.adaptive`, a branch is at most 2a + 2 tokens long, a being how many tokens of the last
+    proposal were committed (up to max_tokens): long runs while copies hold, two tokens after a miss.
+    """
 
     def __init__(self, config: LookupConfig) -> None:
         self.config = config
         self.index = NgramIndex(config.min_ngram, config.max_ngram)
         self.policy = DraftCachePolicy()
         self.working_len = 0
+        self.size = config.max_tokens  # the next branch's length at most
+        self.found: list[Continuation] = []  # this step's proposal
 
     def prefill(self, prompt: list[int], stop) -> Iterator[int]:
         self.index.extend(prompt)
         return iter(())
 
     def find(self, room: int) -> list[Continuation]:
-        return self.index.continuations(self.config, room)
+        self.found = self.index.continuations(self.config, min(room, self.size))
+        return self.found
 
     def propose(self, room: int, generator: torch.Generator | None) -> DraftTree:
         return branch_tree(self.find(room))
 
     def commit(self, tokens: list[int]) -> None:
+        if self.found and self.config.adaptive:
+            copied = max(next((i for i, (a, b) in enumerate(zip(c.tokens, tokens)) if a != b), min(len(c.tokens), len(tokens)))
+                         for c in self.found)
+            self.size = min(self.config.max_tokens, 2 * copied + 2)
+        self.found = []
         self.index.extend(tokens)
 
     def rebuild(self, token_scores: torch.Tensor | None) -> tuple[Selection, int]:

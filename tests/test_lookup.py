@@ -18,7 +18,9 @@ from specextend import events as ev
 from specextend.config import DraftConfig, GenerationConfig, LookupConfig, RetrievalConfig, preset
 from specextend.drafting import DraftTree, graft
 from specextend.engine import generate
-from specextend.lookup import GATE_RETRY, GATE_USES, Continuation, NgramIndex, continuations, replay
+from specextend.lookup import (
+    GATE_RETRY, GATE_USES, Continuation, LookupDrafter, NgramIndex, continuations, replay,
+)
 from specextend.metrics import summarize, tokens_by_source
 
 N_NEW = 40
@@ -153,7 +155,8 @@ def prompt_of(length: int, seed: int) -> list[int]:
     return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-LOOKUPS = [LookupConfig(enabled=True), LookupConfig(enabled=True, min_ngram=1, max_tokens=3, branches=3, rank="frequent"),
+LOOKUPS = [LookupConfig(enabled=True),
+           LookupConfig(enabled=True, min_ngram=1, max_tokens=3, branches=3, rank="frequent", adaptive=True),
            LookupConfig(enabled=True, min_ngram=2, max_ngram=2, max_tokens=12, rank="first", with_draft="always",
                         draft_gate=0.0)]
 RETRIEVAL = RetrievalConfig(chunk_size=16, top_k=4, retrieve_every=2, prefill_window=32)
@@ -196,8 +199,9 @@ def test_lookup_alone_commits_long_runs_and_reports_its_copies(bigram_pair):
 def test_replay_is_what_the_engine_does(bigram_pair, lookup):
     prompt = prompt_of(90, seed=7)
     trace = list(generate(bigram_pair, prompt, preset("lookup", max_new_tokens=N_NEW, lookup=lookup)))
-    steps = [(v.num_accepted, len(d.tokens)) for d, v in zip((e for e in trace if isinstance(e, ev.Drafted)),
-                                                              (e for e in trace if isinstance(e, ev.Verified)))]
+    drafted = {e.step: e for e in trace if isinstance(e, ev.Drafted)}  # a step with no room left drafts nothing
+    steps = [(v.num_accepted, len(drafted[v.step].tokens) if v.step in drafted else 0)
+             for v in trace if isinstance(v, ev.Verified)]
     assert replay(prompt, list(trace[-1].token_ids), lookup, N_NEW) == steps
     assert sum(a for a, _ in steps) > 0
 
@@ -224,6 +228,24 @@ def test_a_draft_model_that_does_not_pay_sits_out_and_is_retried(bigram_pair):
             gains.append(sum(d.sources[n] != "lookup" for n in verified[d.step].accepted_nodes))
     assert asked[1.0] == want
     assert want[:GATE_USES] == [True] * GATE_USES and want.count(False) > len(want) // 2  # the random draft sits out
+
+
+def test_adaptive_branch_length_follows_what_was_copied():
+    drafter = LookupDrafter(LookupConfig(min_ngram=2, max_tokens=6, adaptive=True))
+    drafter.prefill([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2], None)
+    assert drafter.propose(10, None).tokens == (3, 4, 5, 6, 7, 8)  # the first proposal: max_tokens
+    drafter.commit([9])  # a miss: the next branch is 2 tokens at most
+    assert drafter.size == 2
+    drafter.commit([3, 4])  # nothing was proposed: the length stays
+    assert drafter.size == 2
+    assert drafter.propose(10, None).tokens == (5, 6)  # after [.., 3, 4]: what followed 3, 4, cut to 2
+    drafter.commit([5, 6, 7])  # both copied: 2 * 2 + 2 = 6, the cap
+    assert drafter.size == 6
+    fixed = LookupDrafter(LookupConfig(min_ngram=2, max_tokens=6))
+    fixed.prefill([1, 2, 3, 1, 2], None)
+    fixed.propose(10, None)
+    fixed.commit([9])
+    assert fixed.size == 6  # not adaptive: always max_tokens
 
 
 def test_merged_sampling_runs_reproducibly(bigram_pair):
