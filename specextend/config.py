@@ -128,12 +128,12 @@ class LookupConfig:
 
     enabled: bool | None = None  # None: on exactly for method lookup; True adds lookup to a draft-model method
     max_ngram: int = 4
-    min_ngram: int = 3
+    min_ngram: int = 2
     max_tokens: int = 16
     branches: int = 1
     rank: Literal["recent", "frequent", "first"] = "recent"
     with_draft: Literal["always", "on_miss"] = "on_miss"
-    adaptive: bool = False
+    adaptive: bool = True
     draft_gate: float = 1.0
 
     def __post_init__(self) -> None:

@@ -241,7 +241,7 @@ def test_adaptive_branch_length_follows_what_was_copied():
     assert drafter.propose(10, None).tokens == (5, 6)  # after [.., 3, 4]: what followed 3, 4, cut to 2
     drafter.commit([5, 6, 7])  # both copied: 2 * 2 + 2 = 6, the cap
     assert drafter.size == 6
-    fixed = LookupDrafter(LookupConfig(min_ngram=2, max_tokens=6))
+    fixed = LookupDrafter(LookupConfig(min_ngram=2, max_tokens=6, adaptive=False))
     fixed.prefill([1, 2, 3, 1, 2], None)
     fixed.propose(10, None)
     fixed.commit([9])
