@@ -6,7 +6,8 @@ Run from the repository root: `python -m scripts.lookup_with_draft [--lengths 71
 Methods, alternated on every input (greedy, fp32, the bundled pair, the benchmark's summarization prompt):
 the target alone, lookup alone, SpecExtend, and SpecExtend with lookup in three ways: the defaults (the
 draft model on a lookup miss, gated by what it pays), on a miss without the gate, and every step without
-the gate. Every output is checked against the target alone's. Prints one line per run (decode tokens/s,
+the gate. With `--settings`: lookup's defaults against the fixed setting chosen before the adaptive
+length. Every output is checked against the target alone's. Prints one line per run (decode tokens/s,
 tokens per step, tokens by source) and, per length, each method's decode speed over the target alone's:
 the median over documents and each document's ratio.
 """
@@ -36,7 +37,11 @@ def main(argv=None) -> int:
                    "(to check on text nobody tuned for)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--adaptive", action="store_true", help="lookup's adaptive branch length in every lookup method")
+    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=LookupConfig().adaptive,
+                   help="lookup's adaptive branch length in every lookup method")
+    p.add_argument("--settings", action="store_true",
+                   help="instead: lookup's default setting against the fixed one the sweep chose without the adaptive "
+                        "length (n 4..3, 16 tokens), alone and merged with SpecExtend")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.threads:
@@ -48,7 +53,14 @@ def main(argv=None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     base = dict(max_new_tokens=args.max_new_tokens, eos_token_ids=eos_ids(tokenizer, pair.target))
     lk = LookupConfig(adaptive=args.adaptive)
+    fixed = LookupConfig(min_ngram=3, adaptive=False)
     configs = {
+        "target alone": preset("autoregressive", **base),
+        "lookup alone (defaults)": preset("lookup", **base),
+        "lookup alone, n 4..3, fixed 16": preset("lookup", lookup=fixed, **base),
+        "specextend + lookup (defaults)": preset("specextend", lookup=LookupConfig(enabled=True), **base),
+        "specextend + lookup, n 4..3, fixed 16": preset("specextend", lookup=replace(fixed, enabled=True), **base),
+    } if args.settings else {
         "target alone": preset("autoregressive", **base),
         "lookup alone": preset("lookup", lookup=lk, **base),
         "specextend": preset("specextend", **base),
