@@ -102,6 +102,11 @@ class NgramIndex:
         return choose(self.seq, self.matches, config, room)
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two sequences share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def branch_tree(found: list[Continuation]) -> DraftTree:
     """The continuations as a draft tree (a trie from the root), every node a lookup node."""
     return graft(DraftTree.empty(), [(c.tokens, c.start) for c in found])
@@ -155,8 +160,7 @@ class LookupDrafter:
 
     def commit(self, tokens: list[int]) -> None:
         if self.found and self.config.adaptive:
-            copied = max(next((i for i, (a, b) in enumerate(zip(c.tokens, tokens)) if a != b), min(len(c.tokens), len(tokens)))
-                         for c in self.found)
+            copied = max(common_prefix(c.tokens, tokens) for c in self.found)
             self.size = min(self.config.max_tokens, 2 * copied + 2)
         self.found = []
         self.index.extend(tokens)
