@@ -54,28 +54,16 @@ def parse_pairs(text: str) -> tuple[PairChoice, ...]:
     return tuple(pairs)
 
 
-def _int(env: Mapping[str, str], name: str, default: int, low: int) -> int:
+def _number(env: Mapping[str, str], name: str, default: int | float, low: int | float, kind: type = int):
+    """An operator setting parsed as `kind` (int or float), at least `low`; `default` when unset."""
     raw = env.get(name, "").strip()
     if not raw:
         return default
     try:
-        value = int(raw)
+        value = kind(raw)
     except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
-    if value < low:
-        raise ValueError(f"{name} must be at least {low}, got {value}")
-    return value
-
-
-def _float(env: Mapping[str, str], name: str, default: float, low: float) -> float:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number, got {raw!r}") from None
-    if not value >= low:
+        raise ValueError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {raw!r}") from None
+    if not value >= low:  # also rejects NaN
         raise ValueError(f"{name} must be at least {low}, got {value}")
     return value
 
@@ -98,15 +86,15 @@ class Settings:
     def from_env(cls, env: Mapping[str, str] = os.environ) -> Settings:
         return cls(
             host=env.get("GRADIO_SERVER_NAME", "").strip() or "127.0.0.1",
-            port=_int(env, "GRADIO_SERVER_PORT", 7860, 1),
+            port=_number(env, "GRADIO_SERVER_PORT", 7860, 1),
             pairs=(BUNDLED_PAIR, *parse_pairs(env.get("SPECEXTEND_PAIRS", ""))),
             hub=env.get("SPECEXTEND_HUB", "0").strip() == "1",
-            max_upload_bytes=_int(env, "SPECEXTEND_MAX_UPLOAD_KB", 1024, 1) * 1024,
-            max_trace_bytes=_int(env, "SPECEXTEND_MAX_TRACE_KB", 16384, 1) * 1024,
-            max_new_tokens=_int(env, "SPECEXTEND_MAX_NEW_TOKENS", 1024, 1),
-            concurrency=_int(env, "SPECEXTEND_CONCURRENCY", 1, 1),
-            queue_size=_int(env, "SPECEXTEND_QUEUE", 16, 1),
-            redraw_s=_float(env, "SPECEXTEND_REDRAW_S", 0.3, 0.05),
+            max_upload_bytes=_number(env, "SPECEXTEND_MAX_UPLOAD_KB", 1024, 1) * 1024,
+            max_trace_bytes=_number(env, "SPECEXTEND_MAX_TRACE_KB", 16384, 1) * 1024,
+            max_new_tokens=_number(env, "SPECEXTEND_MAX_NEW_TOKENS", 1024, 1),
+            concurrency=_number(env, "SPECEXTEND_CONCURRENCY", 1, 1),
+            queue_size=_number(env, "SPECEXTEND_QUEUE", 16, 1),
+            redraw_s=_number(env, "SPECEXTEND_REDRAW_S", 0.3, 0.05, float),
         )
 
     def pair(self, key: str) -> PairChoice:

@@ -10,6 +10,7 @@ as its last line, one JSON object. Random-init weights: acceptance is meaningles
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -19,7 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .attention import full_tree_mask, hybrid_tree_attention, math_attention, prefill_attention
-from .config import AttentionConfig, DraftConfig, RetrievalConfig, preset
+from .config import AttentionConfig, DraftConfig, LookupConfig, RetrievalConfig, preset
 from .drafting import tree_mask
 from .engine import generate
 from .metrics import summarize
@@ -108,24 +109,36 @@ def llama(shape, vocab: int, dtype, device, seed: int, max_positions: int = 3276
     return model.eval()
 
 
+@contextlib.contextmanager
+def exact_matmuls():
+    """fp32 matrix products without TF32 inside the block; the previous settings come back after it."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 def check_lossless(device, prompt_len: int, new_tokens: int) -> dict:
-    """Greedy output of every method equals the autoregressive target's, fp32 on the device."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    """Greedy output of every method (lookup drafting alone and added to SpecExtend too) equals the
+    autoregressive target's, fp32 on the device."""
     pair = make_pair(llama((4, 256, 8, 2, 512), 1000, torch.float32, device, 1),
                      llama((1, 128, 4, 1, 256), 1000, torch.float32, device, 2))
     prompt = torch.randint(0, 1000, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     retrieval = RetrievalConfig(chunk_size=32, top_k=8, retrieve_every=2, prefill_window=128)
-    ref = list(list(generate(pair, prompt, preset("autoregressive", max_new_tokens=new_tokens)))[-1].token_ids)
-    result = {}
+    configs = {}
     for method in ("speculative", "streaming", "specextend"):
         for shape in ("chain", "tree"):
             for verify in ("hybrid", "masked"):
                 config = preset(method, max_new_tokens=new_tokens, draft=DraftConfig(shape=shape), retrieval=retrieval)
-                config = config.replace(attention=AttentionConfig(prefill="fused", verify=verify))
-                out = list(list(generate(pair, prompt, config))[-1].token_ids)
-                result[f"{method}/{shape}/{verify}"] = out == ref
-    return result
+                configs[f"{method}/{shape}/{verify}"] = config.replace(attention=AttentionConfig("fused", verify))
+    configs["lookup"] = preset("lookup", max_new_tokens=new_tokens)
+    configs["specextend+lookup"] = preset("specextend", max_new_tokens=new_tokens, retrieval=retrieval,
+                                          lookup=LookupConfig(enabled=True))
+    with exact_matmuls():
+        ref = list(list(generate(pair, prompt, preset("autoregressive", max_new_tokens=new_tokens)))[-1].token_ids)
+        return {name: list(list(generate(pair, prompt, config))[-1].token_ids) == ref for name, config in configs.items()}
 
 
 def bench_engine(device, dtype, shapes, prompt_len: int, new_tokens: int, repeats: int = 3) -> list[dict]:
