@@ -48,14 +48,8 @@ class BufferLayer(CacheLayerMixin):
         self.keys, self.values = keys, values
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        start, end = self.length, self.length + key_states.shape[2]
-        self._reserve(end)
-        self.keys[:, :, start:end] = key_states
-        self.values[:, :, start:end] = value_states
-        self.length = end
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        self.write(self.length, key_states, value_states)
+        return self.filled()
 
     def get_seq_length(self) -> int:
         return self.length
