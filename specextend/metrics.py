@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from .events import SOURCES, Drafted, Event, Finished, Prefilled, Retrieved, Started, Verified
 
@@ -58,31 +58,31 @@ def acceptance_by_position(events: Sequence[Event]) -> tuple[float, ...]:
     return tuple(accepted[d] / drafted[d] for d in range(1, max(drafted, default=0) + 1))
 
 
+def accepted_steps(events: Sequence[Event]) -> Iterator[tuple[Verified, Drafted | None, tuple[int, ...]]]:
+    """Per step: its Verified, its Drafted (None when it drafted nothing), and the accepted nodes that count
+    (a step cut at the token limit or EOS keeps only a prefix of its accepted path)."""
+    trees = {e.step: e for e in _of(events, Drafted)}
+    for v in _of(events, Verified):
+        yield v, trees.get(v.step), v.accepted_nodes[: min(v.num_accepted, len(v.committed))]
+
+
 def tokens_by_source(events: Sequence[Event]) -> dict[str, int]:
     """Generated tokens by origin: accepted draft nodes by their source ("draft", "lookup", "both") and the
     target's own ("target": the first token and every bonus token). The counts add up to the output."""
     out = dict.fromkeys((*SOURCES, "target"), 0)
     out["target"] = len(_of(events, Prefilled))
-    trees = {e.step: e for e in _of(events, Drafted)}
-    for v in _of(events, Verified):
-        tree = trees.get(v.step)
-        accepted = min(v.num_accepted, len(v.committed))  # a step cut at the limit keeps a prefix
-        for node in v.accepted_nodes[:accepted]:
+    for v, tree, accepted in accepted_steps(events):
+        for node in accepted:
             out[tree.sources[node] if tree.sources else "draft"] += 1
-        out["target"] += len(v.committed) - accepted
+        out["target"] += len(v.committed) - len(accepted)
     return out
 
 
 def copies(events: Sequence[Event]) -> list[tuple[int, tuple[int, ...]]]:
     """(step, sequence positions copied from) for every step that committed tokens a lookup proposed."""
-    trees = {e.step: e for e in _of(events, Drafted)}
     out = []
-    for v in _of(events, Verified):
-        tree = trees.get(v.step)
-        if tree is None or not tree.origins:
-            continue
-        accepted = v.accepted_nodes[: min(v.num_accepted, len(v.committed))]
-        origins = tuple(tree.origins[n] for n in accepted if tree.sources[n] != "draft")
+    for v, tree, accepted in accepted_steps(events):
+        origins = tuple(tree.origins[n] for n in accepted if tree.sources and tree.sources[n] != "draft")
         if origins:
             out.append((v.step, origins))
     return out
