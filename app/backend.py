@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 from functools import lru_cache, partial
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
+from specextend.cli import encode_marked, render_request
 from specextend.config import GenerationConfig
 from specextend.events import Event
 
 from .settings import PairChoice
 
+DOCUMENT = "\0document"  # the mark under which Codec.prompt finds the document itself
 Progress = Callable[[str], None]
 Generate = Callable[[list[int], GenerationConfig, "threading.Event | None"], Iterator[Event]]
 
@@ -54,31 +56,13 @@ class Codec:
 
     def render(self, document: str, task: str) -> str:
         """The request as the target's chat template writes it (plain text when it has none)."""
-        content = f"{document.strip()}\n\n{task.strip()}"
-        if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
-            )
-        return content + "\n"
+        return render_request(self.tokenizer, document, task)
 
     def prompt(self, document: str, task: str, marks: dict[str, str] | None = None) -> Prompt:
         """Tokenize the request; token spans of the document and of each marked passage inside it."""
         text = self.render(document, task)
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
-        doc_start = text.find(document.strip())
-
-        def span(start: int, end: int) -> tuple[int, int]:
-            inside = [i for i, (a, b) in enumerate(offsets) if a < end and start < b]
-            return (inside[0], inside[-1] + 1) if inside else (0, 0)
-
-        doc = span(doc_start, doc_start + len(document.strip())) if doc_start >= 0 else (0, len(ids))
-        found = {}
-        for name, passage in (marks or {}).items():
-            at = text.find(passage, max(doc_start, 0))
-            if at >= 0:
-                found[name] = span(at, at + len(passage))
-        return Prompt(ids, doc, found)
+        ids, spans = encode_marked(self.tokenizer, text, {**(marks or {}), DOCUMENT: document.strip()})
+        return Prompt(ids, spans.pop(DOCUMENT, (0, len(ids))), spans)
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,7 @@ Registered with transformers as the attention implementation "specextend". Each 
   tree part in plain PyTorch, merged exactly by the two log-sum-exps) or as SDPA with a full boolean
   mask (what transformers does).
 
-It also captures the final layer's queries so the target's attention row for one token can be scored
-later, only when retrieval needs it. Grouped-query attention is handled by folding query heads onto
+It also keeps the queries of the layers retrieval scores from (signal.py), only when retrieval needs them. Grouped-query attention is handled by folding query heads onto
 their KV head (no repeated KV) wherever all queries see the same keys.
 Knows tensors and kernels; knows nothing of drafting, verification or retrieval policy.
 """
@@ -37,10 +36,10 @@ def use_flash_attn(x: torch.Tensor) -> bool:
 
 @dataclass
 class QueryCapture:
-    """Holds the queries of one layer from the latest forward: (B, H_q, T_q, D)."""
+    """Holds the queries of some layers from the latest forward: {layer: (B, H_q, T_q, D)}."""
 
-    layer: int
-    query: torch.Tensor | None = None
+    layers: frozenset[int]
+    queries: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -181,16 +180,6 @@ def prefill_attention(
     )
 
 
-def attention_row_scores(query_row: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention probabilities of one query row over `keys`, averaged over heads.
-
-    query_row (B, H_q, 1, D), keys (B, H_kv, T, D) -> (T,) fp32, sums to 1.
-    """
-    q = fold_heads(query_row.float(), keys.shape[1])  # (B, H_kv, G, D)
-    logits = torch.matmul(q, keys.float().transpose(-1, -2)) * scale  # (B, H_kv, G, T)
-    return torch.softmax(logits, dim=-1).mean(dim=(0, 1, 2))
-
-
 # ---------------------------------------------------------------- the hook
 
 
@@ -202,8 +191,8 @@ def specextend_attention(module, query, key, value, attention_mask, dropout=0.0,
         if attention_mask is None and query.shape[2] not in (1, key.shape[2]):
             attention_mask = causal_window_mask(query.shape[2], 0, key.shape[2], key.shape[2] - query.shape[2], None, query.device)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scale, **kwargs)
-    if plan.capture is not None and module.layer_idx == plan.capture.layer:
-        plan.capture.query = query
+    if plan.capture is not None and module.layer_idx in plan.capture.layers:
+        plan.capture.queries[module.layer_idx] = query
     if plan.kind == "prefill":
         out = prefill_attention(query, key, value, plan.window, plan.kernel, scale)
     elif query.shape[2] == 1:  # one new token sees every key: a single unmasked fused call

@@ -8,8 +8,10 @@ tokenizer, short inputs):
   pair, on bundled eval documents cut to several input lengths with a summarization instruction; a
   warm-up, methods alternated on the same input, repeats, medians with min/max. Greedy outputs are
   compared across methods on every input; a mismatch stops the run (`GreedyMismatch`).
-- needle retrieval (the paper's Table 1): the draft alone answering a planted question from its full
-  cache, a StreamingLLM cache, or CMR's working cache chosen once by the target's final-layer attention.
+- needle retrieval (the paper's Table 1): needles planted in the bundled documents (or --needle-docs); per
+  retrieval signal (the paper's, the default, --signal's) and for StreamingLLM, whether the working cache
+  holds the whole needle after the first retrieval (`needle.hold_rate` in the last JSON line), and whether
+  the draft alone answers from its full cache, StreamingLLM's window or CMR's cache per signal.
 - a sweep of the retrieval parameters (the paper's Table 5): working cache, chunk size, top-k, frequency.
 
 Every engine number comes from the engine's own events (metrics.summarize); assisted generation is timed
@@ -35,8 +37,9 @@ from pathlib import Path
 
 import torch
 
-from . import bundled, needle
-from .cli import DEFAULT_INSTRUCTION, add_lookup_arguments, encode_document, eos_ids, fit, lookup_from
+from . import bundled
+from .cli import (DEFAULT_INSTRUCTION, add_lookup_arguments, add_signal_arguments, encode_document, eos_ids, fit,
+                  lookup_from, signal_from)
 from .config import AttentionConfig, DraftConfig, GenerationConfig, LookupConfig, RetrievalConfig, preset
 from .drafting import DraftTree, ModelDrafter
 from .engine import Target, generate
@@ -44,17 +47,17 @@ from .events import Finished
 from .kernel_bench import llama
 from .metrics import PHASES, summarize
 from .models import ModelPair, load_pair, make_pair
+from .probe import holds, needle_prompt, read
 from .retrieval import make_policy
+from .signal import resolve
 
 ASSISTED = "hf_assisted"  # transformers' generate(..., assistant_model=draft): the outside reference
 PROMPT_LOOKUP = "hf_prompt_lookup"  # transformers' generate(..., prompt_lookup_num_tokens=10): lookup's peer
 PEERS = (ASSISTED, PROMPT_LOOKUP)  # run by transformers, not by this engine
 HF_LOOKUP_TOKENS = 10  # the prompt_lookup_num_tokens transformers' documentation uses
-METHODS = ("autoregressive", "speculative", "streaming", "specextend", "cmr_only", "fused_prefill_only", "hta_only",
+METHODS = ("autoregressive", "speculative", "streaming", "specextend", "specextend_paper", "cmr_only", "fused_prefill_only", "hta_only",
            "lookup", "specextend_lookup", ASSISTED, PROMPT_LOOKUP)
 BASELINES = ("autoregressive", "speculative", ASSISTED, PROMPT_LOOKUP)
-POLICIES = ("full", "streaming", "cmr")  # the draft-cache policies the needle test compares
-NEEDLE_HINT = "Answer with the value only."
 QUICK_SHAPE = (2, 64, 4, 2, 128)  # --quick target: layers, hidden, heads, KV heads, MLP width
 QUICK = dict(lengths="160,336", docs=1, repeats=1, max_new_tokens=8, needles=2, needle_tokens=240,
              needle_depths="0.3,0.7", retrieval=RetrievalConfig(chunk_size=16, top_k=8, retrieve_every=2,
@@ -77,6 +80,7 @@ def method_configs(base: dict, prefill: str, lookup: LookupConfig) -> dict[str, 
         "speculative": speculative,
         "streaming": preset("streaming", attention=AttentionConfig(prefill, "masked"), **base),
         "specextend": preset("specextend", **base),
+        "specextend_paper": preset("specextend", **{**base, "retrieval": replace(base["retrieval"], signal="paper")}),
         "cmr_only": speculative.replace(cmr=True),
         "fused_prefill_only": speculative.replace(attention=AttentionConfig("fused", "masked")),
         "hta_only": speculative.replace(attention=AttentionConfig(prefill, "hybrid")),
@@ -279,8 +283,8 @@ def target_answer(target: Target, n: int) -> list[int]:
     return tokens
 
 
-def draft_answer(pair: ModelPair, config: GenerationConfig, policy_name: str, prompt: list[int], scores: torch.Tensor,
-                 n: int) -> list[int]:
+def draft_answer(pair: ModelPair, config: GenerationConfig, policy_name: str, prompt: list[int],
+                 scores: torch.Tensor | None, n: int) -> list[int]:
     """The draft alone: prefill under the policy, one retrieval (the target's scores for CMR), n greedy tokens."""
     policy = make_policy(policy_name, config.retrieval)
     drafter = ModelDrafter(pair.draft, config.replace(draft=DraftConfig(k=n)), policy, len(prompt) + n + 2)
@@ -291,29 +295,68 @@ def draft_answer(pair: ModelPair, config: GenerationConfig, policy_name: str, pr
     return list(drafter.propose(n, None).tokens)
 
 
-def needle_case(pair: ModelPair, tokenizer, config: GenerationConfig, text: str, depth: float, seed: int,
+def needle_signals(pair: ModelPair, retrieval: RetrievalConfig) -> dict[str, RetrievalConfig]:
+    """The signals the needle section compares, resolved for the pair: the paper's, the default (the pair's calibrated
+    one where it has it), and the run's own when --signal chose another."""
+    out = {name: replace(retrieval, signal=resolve(name, pair.calibrated)) for name in ("paper", "default")}
+    chosen = resolve(retrieval.signal, pair.calibrated)
+    if chosen not in (out["paper"].signal, out["default"].signal):
+        out["chosen"] = replace(retrieval, signal=chosen)
+    return out
+
+
+def needle_case(pair: ModelPair, tokenizer, signals: dict[str, RetrievalConfig], text: str, depth: float, seed: int,
                 answer_tokens: int) -> dict:
-    planted = needle.generate(text, depth, seed=seed)
-    prompt = encode_document(tokenizer, planted.document, f"{planted.question} {NEEDLE_HINT}", raw=False)
-    target = Target(pair.target, config, len(prompt) + answer_tokens + 2)
-    for _ in target.prefill(prompt, None):
-        pass
-    scores = target.token_scores()  # the final layer's attention row of the last prompt token
-    answers = {"target": target_answer(target, answer_tokens)}
-    for name in POLICIES:
-        answers[name] = draft_answer(pair, config, name, prompt, scores, answer_tokens)
+    """One planted needle: does each working cache hold it after the first retrieval, and what does each reader
+    answer (the target; the draft alone from its full cache, StreamingLLM's window, CMR's cache per signal)."""
+    prompt = needle_prompt(tokenizer, text, depth, seed)
+    held, answers = {}, {}
+    for name, retrieval in signals.items():
+        target = read(pair, prompt.ids, retrieval.signal, answer_tokens + 2)
+        scores = target.token_scores()
+        held[name] = holds(make_policy("cmr", retrieval).select(len(prompt.ids) - 1, scores).kept_spans, prompt.span)
+        answers[name] = draft_answer(pair, preset("specextend", retrieval=retrieval), "cmr", prompt.ids, scores,
+                                     answer_tokens)
+        if name == "paper":
+            answers["target"] = target_answer(target, answer_tokens)
+    config = preset("specextend", retrieval=signals["paper"])
+    window = make_policy("streaming", config.retrieval).select(len(prompt.ids) - 1, None)
+    held["streaming"] = holds(window.kept_spans, prompt.span)
+    for name in ("full", "streaming"):
+        answers[name] = draft_answer(pair, config, name, prompt.ids, None, answer_tokens)
     texts = {k: tokenizer.decode(v, skip_special_tokens=True) for k, v in answers.items()}
+    planted = prompt.planted
     return {"depth": depth, "actual_depth": planted.actual_depth, "template": planted.template, "seed": seed,
-            "prompt_tokens": len(prompt), "answer": planted.answer, "answers": texts,
-            "correct": {k: planted.answer.lower() in v.lower() for k, v in texts.items()}}
+            "prompt_tokens": len(prompt.ids), "needle_span": list(prompt.span), "answer": planted.answer,
+            "held": held, "answers": texts, "correct": {k: planted.answer.lower() in v.lower() for k, v in texts.items()}}
 
 
-def needle_summary(cases: list[dict]) -> dict:
-    readers = ("target", *POLICIES)
-    accuracy = lambda group, k: sum(c["correct"][k] for c in group) / len(group)  # noqa: E731
+def needle_summary(cases: list[dict], signals: dict[str, RetrievalConfig]) -> dict:
+    """Hold rate (whole needle in the working cache after the first retrieval) and answer accuracy, overall and by depth."""
+    share = lambda group, key, k: sum(c[key][k] for c in group) / len(group)  # noqa: E731
+    readers = list(cases[0]["correct"])
+    kept = list(cases[0]["held"])
     depths = sorted({c["depth"] for c in cases})
-    return {"needles": len(cases), "accuracy": {k: accuracy(cases, k) for k in readers},
-            "by_depth": {str(d): {k: accuracy([c for c in cases if c["depth"] == d], k) for k in readers} for d in depths}}
+    return {"needles": len(cases), "signals": {k: v.signal.name for k, v in signals.items()},
+            "hold_rate": {k: share(cases, "held", k) for k in kept},
+            "accuracy": {k: share(cases, "correct", k) for k in readers},
+            "by_depth": {str(d): {"hold_rate": {k: share([c for c in cases if c["depth"] == d], "held", k) for k in kept},
+                                  "accuracy": {k: share([c for c in cases if c["depth"] == d], "correct", k)
+                                               for k in readers}} for d in depths}}
+
+
+def needle_texts(files: list[str] | None) -> dict[str, str]:
+    """name -> text: the bundled documents, or the given files ('bundled' among them adds the bundled documents)."""
+    texts = {}
+    for item in files or ["bundled"]:
+        if item == "bundled":
+            texts.update({d.name: d.text() for d in bundled.documents("eval")})
+            continue
+        text = Path(item).read_text(encoding="utf-8")
+        if not text.strip():
+            raise ValueError(f"{item} is empty: there is nowhere to plant a needle")
+        texts[Path(item).name] = text
+    return texts
 
 
 # ---------------------------------------------------------------- retrieval sweep (Table 5)
@@ -424,11 +467,13 @@ def figures(report: dict) -> dict:
     figs = grid_figures(rows) if rows else {}  # a needle-only run has no grid
     if report.get("needle"):
         by_depth = report["needle"]["summary"]["by_depth"]
-        fig = go.Figure()
-        for reader in ("target", *POLICIES):
-            fig.add_bar(x=list(by_depth), y=[by_depth[d][reader] for d in by_depth], name=reader)
-        figs["needle"] = fig.update_layout(title="Needle retrieval accuracy by depth (the draft alone per cache; "
-                                           "the target for reference)", barmode="group", xaxis_title="needle depth")
+        fig = make_subplots(rows=1, cols=2, subplot_titles=("whole needle in the working cache after the first retrieval",
+                                                            "answers holding the value (the draft alone; the target)"))
+        for col, key in ((1, "hold_rate"), (2, "accuracy")):
+            for reader in next(iter(by_depth.values()))[key]:
+                fig.add_bar(x=list(by_depth), y=[by_depth[d][key][reader] for d in by_depth], name=f"{reader}",
+                            legendgroup=reader, showlegend=col == 1 or reader in ("target", "full"), row=1, col=col)
+        figs["needle"] = fig.update_layout(title="Needles by depth, per retrieval signal and cache", barmode="group")
     if report.get("sweep"):
         sweep = report["sweep"]
         fig = make_subplots(rows=1, cols=2, subplot_titles=("decode tokens/s", "mean accepted length"))
@@ -515,13 +560,17 @@ def markdown(report: dict) -> str:
     if report.get("needle"):
         summary = report["needle"]["summary"]
         depths = list(summary["by_depth"])
+        names = summary["signals"]
         lines += ["", f"**Needle retrieval**: {summary['needles']} needles in ~{report['needle']['haystack_tokens']}-token "
-                  "haystacks, share of answers containing the planted value", "",
-                  "| reader | all | " + " | ".join(f"depth {d}" for d in depths) + " |", "|---" * (2 + len(depths)) + "|"]
-        for reader, acc in summary["accuracy"].items():
-            label = "target (ceiling)" if reader == "target" else f"draft alone, {reader} cache"
-            lines.append(f"| {label} | {acc:.0%} | " + " | ".join(f"{summary['by_depth'][d][reader]:.0%}" for d in depths)
-                         + " |")
+                  "haystacks from " + ", ".join(report["needle"]["documents"]) + ". Hold: the whole needle in the working "
+                  "cache after the first retrieval; answer: the draft alone's answer holds the planted value", "",
+                  "| | all | " + " | ".join(f"depth {d}" for d in depths) + " |", "|---" * (2 + len(depths)) + "|"]
+        for key, verb in (("hold_rate", "hold"), ("accuracy", "answer")):
+            for reader, value in summary[key].items():
+                label = {"target": "the target (ceiling)", "full": "full cache", "streaming": "StreamingLLM"}.get(
+                    reader, f"CMR, {reader} signal" + (f" ({names[reader]})" if names.get(reader, reader) != reader else ""))
+                lines.append(f"| {verb}: {label} | {value:.0%} | "
+                             + " | ".join(f"{summary['by_depth'][d][key][reader]:.0%}" for d in depths) + " |")
     if report.get("sweep"):
         lines += ["", f"**Retrieval settings**: specextend on {report['sweep_input']}", "",
                   "| setting | decode tok/s | e2e tok/s | mean accepted | CMR share | retrievals |", "|---|---|---|---|---|---|"]
@@ -543,10 +592,10 @@ def table(report: dict) -> str:
                      f"{ratio(r['decode_speedup_vs_speculative']):>6} {ratio(r[f'decode_speedup_vs_{ASSISTED}']):>6} "
                      f"{ratio(r[f'decode_speedup_vs_{PROMPT_LOOKUP}']):>6} {fmt(r['mean_accepted'], 2):>17} {'-' if not share else format(share['median'], '.1%'):>9}")
     if report.get("needle"):
-        acc = report["needle"]["summary"]["accuracy"]
-        lines.append(f"needle ({report['needle']['summary']['needles']} needles, "
-                     f"~{report['needle']['haystack_tokens']} tokens): "
-                     + ", ".join(f"{k} {v:.0%}" for k, v in acc.items()))
+        summary = report["needle"]["summary"]
+        lines.append(f"needle ({summary['needles']} needles, ~{report['needle']['haystack_tokens']} tokens): hold "
+                     + ", ".join(f"{k} {v:.0%}" for k, v in summary["hold_rate"].items()) + "; answers "
+                     + ", ".join(f"{k} {v:.0%}" for k, v in summary["accuracy"].items()))
     for s in report.get("sweep") or []:
         lines.append(f"sweep {s['setting']:<44} decode {fmt(s['decode_tokens_per_s'])} tok/s, "
                      f"accepted {fmt(s['mean_accepted'], 2)}, CMR share {s['cmr_overhead_share']['median']:.1%}")
@@ -589,7 +638,7 @@ def machine(pair: ModelPair) -> dict:
 def run(args, progress) -> dict:
     pair, tokenizer = load(args)
     eos = eos_ids(tokenizer, pair.target)
-    retrieval = QUICK["retrieval"] if args.quick else RetrievalConfig()
+    retrieval = replace(QUICK["retrieval"] if args.quick else RetrievalConfig(), signal=signal_from(args))
     draft = DraftConfig(shape=args.draft_shape, k=args.k)
     base = dict(max_new_tokens=args.max_new_tokens, eos_token_ids=eos, draft=draft, retrieval=retrieval)
     configs = method_configs(base, args.prefill, lookup_from(args, None))
@@ -648,20 +697,20 @@ def run(args, progress) -> dict:
             sweep.append(sweep_row(setting, config, results))
         report["sweep"] = [s for s in sweep if s["decode_tokens_per_s"]]
 
-    if n_needles:  # the draft alone answering a needle question, per draft-cache policy
-        docs = bundled.documents("eval")
+    if n_needles:  # does each working cache hold a planted needle, and can the draft alone answer from it
         depths = [float(x) for x in args.needle_depths.split(",")]
-        config = preset("specextend", retrieval=retrieval)
-        texts = {d.name: cut_text(tokenizer, d.text(), args.needle_tokens) for d in docs}
+        texts = needle_texts(args.needle_docs)
+        texts = {name: cut_text(tokenizer, text, args.needle_tokens - 48) for name, text in texts.items()}
+        signals = needle_signals(pair, retrieval)
         cases = []
         for i in range(n_needles):
-            doc = docs[(i // len(depths)) % len(docs)]
+            name = list(texts)[(i // len(depths)) % len(texts)]
             bar.set_description(f"needle {i + 1}/{n_needles}")
-            cases.append({"document": doc.name, **needle_case(pair, tokenizer, config, texts[doc.name],
-                                                               depths[i % len(depths)], i, args.needle_answer_tokens)})
+            cases.append({"document": name, **needle_case(pair, tokenizer, signals, texts[name], depths[i % len(depths)],
+                                                          i, args.needle_answer_tokens)})
             bar.update()
         report["needle"] = {"haystack_tokens": args.needle_tokens, "answer_tokens": args.needle_answer_tokens,
-                            "summary": needle_summary(cases), "cases": cases}
+                            "documents": list(texts), "summary": needle_summary(cases, signals), "cases": cases}
     bar.close()
     report["machine"]["load_average_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     return report
@@ -690,10 +739,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-shape", choices=("chain", "tree"), default=DraftConfig().shape)
     p.add_argument("--k", type=int, default=DraftConfig().k, help="chain: draft tokens per step")
     add_lookup_arguments(p)
+    add_signal_arguments(p)
     p.add_argument("--needles", type=int, default=50, help="needle questions (depths cycle, documents rotate)")
     p.add_argument("--needle-tokens", type=int, default=4096, help="haystack length in target tokens")
     p.add_argument("--needle-depths", default="0.1,0.3,0.5,0.7,0.9")
     p.add_argument("--needle-answer-tokens", type=int, default=16, help="greedy tokens each reader answers with")
+    p.add_argument("--needle-docs", nargs="+", default=None, metavar="FILE",
+                   help="UTF-8 text files to plant needles in instead of the bundled documents ('bundled' adds those)")
     p.add_argument("--skip", default="", help="comma list of sections to skip: grid, sweep, needle")
     return p
 

@@ -10,10 +10,10 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
-from .config import METHODS, AttentionConfig, DraftConfig, LookupConfig, RetrievalConfig, preset
+from .config import (METHODS, SIGNAL_NAMES, AttentionConfig, DraftConfig, LookupConfig, RetrievalConfig, RetrievalSignal,
+                     preset)
 
 DEFAULT_INSTRUCTION = "Summarize the document above in a few sentences."
 
@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=None,
                    help="lookup drafting: add copied continuations to the draft's tree (default: on for method lookup only)")
     add_lookup_arguments(g)
+    add_signal_arguments(g)
     g.add_argument("--trace", help="save the run's events as a JSON trace here")
     return p
 
@@ -86,6 +87,35 @@ def add_lookup_arguments(parser: argparse.ArgumentParser) -> None:
                              "least this many accepted tokens (0: always)")
 
 
+def add_signal_arguments(parser: argparse.ArgumentParser) -> None:
+    """The retrieval signal: a name, or a signal of your own from any of the --signal-* knobs."""
+    parser.add_argument("--signal", choices=SIGNAL_NAMES, default=RetrievalConfig().signal,
+                        help="CMR's retrieval signal: paper (final layer, last token, heads averaged), calibrated (the "
+                             "pair's calibrated heads), default (calibrated where the pair has it, else every head's max)")
+    parser.add_argument("--signal-layers", help="a signal of your own: 'final', 'all', or comma-separated layer indices "
+                                                "(negative from the end)")
+    parser.add_argument("--signal-rows", type=int, help="a signal of your own: query rows, the last W tokens read")
+    parser.add_argument("--signal-combine", choices=("mean", "max"), help="a signal of your own: how heads combine")
+    parser.add_argument("--signal-reserve", type=int, help="a signal of your own: newest chunks always kept")
+
+
+def signal_from(args: argparse.Namespace) -> str | RetrievalSignal:
+    """The --signal name, or (when a --signal-* knob is given) a signal of those knobs on the paper's defaults."""
+    knobs = (args.signal_layers, args.signal_rows, args.signal_combine, args.signal_reserve)
+    if all(k is None for k in knobs):
+        return args.signal
+    layers = (args.signal_layers or "final").strip()
+    try:
+        parsed = (-1,) if layers == "final" else () if layers == "all" else tuple(int(x) for x in layers.split(","))
+    except ValueError:
+        raise ValueError(f"--signal-layers must be 'final', 'all' or comma-separated integers, got {layers!r}") from None
+    paper = RetrievalSignal()
+    pick = lambda value, default: default if value is None else value  # noqa: E731
+    return RetrievalSignal("custom", layers=parsed, rows=pick(args.signal_rows, paper.rows),
+                           combine=pick(args.signal_combine, paper.combine),
+                           reserve=pick(args.signal_reserve, paper.reserve))
+
+
 def lookup_from(args: argparse.Namespace, enabled: bool | None) -> LookupConfig:
     return LookupConfig(enabled=enabled, max_ngram=args.lookup_max_ngram, min_ngram=args.lookup_min_ngram,
                         max_tokens=args.lookup_tokens, branches=args.lookup_branches, rank=args.lookup_rank,
@@ -98,9 +128,10 @@ def config_from(args: argparse.Namespace, eos: tuple[int, ...]):
     if args.working_cache is not None:
         retrieval = RetrievalConfig.with_working_cache(
             args.working_cache, args.chunk_size, retrieve_every=args.retrieve_every,
-            prefill_window=args.prefill_window, sink_tokens=args.sink_tokens)
+            prefill_window=args.prefill_window, sink_tokens=args.sink_tokens, signal=signal_from(args))
     else:
-        retrieval = RetrievalConfig(args.chunk_size, args.top_k, args.retrieve_every, args.prefill_window, args.sink_tokens)
+        retrieval = RetrievalConfig(args.chunk_size, args.top_k, args.retrieve_every, args.prefill_window, args.sink_tokens,
+                                    signal=signal_from(args))
     draft = DraftConfig(args.draft_shape, args.k, args.max_depth, args.node_budget, args.branch, args.children,
                         args.stop_threshold)
     lookup = lookup_from(args, args.lookup)
@@ -117,6 +148,29 @@ def encode_document(tokenizer, text: str, instruction: str, raw: bool) -> list[i
     messages = [{"role": "user", "content": f"{text}\n\n{instruction}"}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def render_request(tokenizer, document: str, task: str) -> str:
+    """The request as the target's chat template writes it (plain text when it has none)."""
+    content = f"{document.strip()}\n\n{task.strip()}"
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                             add_generation_prompt=True)
+    return content + "\n"
+
+
+def encode_marked(tokenizer, text: str, marks: dict[str, str]) -> tuple[list[int], dict[str, tuple[int, int]]]:
+    """Token ids of a rendered request (no special tokens added) and the token span [start, end) of each marked
+    passage's first occurrence in it (a passage not found is left out)."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
+    spans = {}
+    for name, passage in marks.items():
+        at = text.find(passage) if passage else -1
+        inside = [i for i, (a, b) in enumerate(offsets) if a < at + len(passage) and at < b] if at >= 0 else []
+        if inside:
+            spans[name] = (inside[0], inside[-1] + 1)
+    return ids, spans
 
 
 def fit(prompt: list[int], limit: int, keep_head: int = 256) -> list[int]:
@@ -178,7 +232,7 @@ def generate_command(args: argparse.Namespace) -> int:
         "cmr_overhead_share": summary.cmr_overhead_share, "steps": summary.steps, "stop_reason": summary.stop_reason,
         "tokens_by_source": summary.tokens_by_source,
         "device": str(pair.device), "dtype": str(pair.dtype).replace("torch.", ""), "backend": pair.backend,
-        "config": asdict(config),
+        "config": trace[0].config,  # as the engine ran it: the retrieval signal resolved for the pair
     }))
     return 0
 

@@ -12,6 +12,9 @@ from typing import Literal
 
 Method = Literal["autoregressive", "lookup", "speculative", "streaming", "specextend"]
 METHODS: tuple[str, ...] = ("autoregressive", "lookup", "speculative", "streaming", "specextend")
+# retrieval signals by name: the paper's recipe; the pair's calibrated signal (an error for a pair without one);
+# "default": the calibrated signal where the pair has one, else a calibration-free one (specextend/signal.py)
+SIGNAL_NAMES: tuple[str, ...] = ("paper", "calibrated", "default")
 PrefillKernel = Literal["fused", "eager"]
 VerifyKernel = Literal["hybrid", "masked"]
 
@@ -57,6 +60,54 @@ class DraftConfig:
 
 
 @dataclass(frozen=True)
+class RetrievalSignal:
+    """Where CMR's chunk scores come from: which of the target's attention heads, reading which query rows, combined
+    how; and how many of the newest chunks are kept whatever the scores (the recency reserve).
+
+    The paper's recipe ("paper"): the final layer's heads, the row of the last accepted token, averaged, with only
+    the newest chunk reserved. A query row is a token the target has read (prompt or committed output): `rows`
+    counts back from the newest. `heads` names (layer, head) pairs; when empty every head of `layers` scores (of every
+    layer when `layers` is empty too). Negative layers count from the end (-1 is the final layer).
+    """
+
+    name: str = "paper"
+    layers: tuple[int, ...] = (-1,)
+    heads: tuple[tuple[int, int], ...] = ()
+    rows: int = 1
+    combine: Literal["mean", "max"] = "mean"
+    reserve: int = 1  # newest chunks always kept (at most top_k - 1); the rest of top_k is chosen among older chunks
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
+        object.__setattr__(self, "heads", tuple((int(a), int(b)) for a, b in self.heads))
+        if self.rows < 1:
+            raise ValueError(f"retrieval signal rows must be at least 1 query row, got {self.rows}")
+        if self.combine not in ("mean", "max"):
+            raise ValueError(f"retrieval signal combine must be 'mean' or 'max', got {self.combine!r}")
+        if self.reserve < 1:
+            raise ValueError(f"retrieval signal reserve must keep at least the newest chunk, got {self.reserve}")
+        if any(h < 0 for _, h in self.heads):
+            raise ValueError(f"retrieval signal heads must be (layer, head >= 0) pairs, got {self.heads}")
+
+    def head_sets(self, num_layers: int, num_heads: int) -> dict[int, tuple[int, ...]]:
+        """{layer: query heads that score} for a target of `num_layers` x `num_heads`, layers counted from 0."""
+        def index(layer: int) -> int:
+            if not -num_layers <= layer < num_layers:
+                raise ValueError(f"retrieval signal {self.name!r} names layer {layer}; the target has {num_layers}")
+            return layer % num_layers
+
+        if self.heads:
+            out: dict[int, list[int]] = {}
+            for layer, head in self.heads:
+                if head >= num_heads:
+                    raise ValueError(f"retrieval signal {self.name!r} names head {head}; the target has {num_heads}")
+                out.setdefault(index(layer), []).append(head)
+            return {layer: tuple(sorted(set(h))) for layer, h in sorted(out.items())}
+        layers = {index(layer) for layer in self.layers} if self.layers else set(range(num_layers))
+        return {layer: tuple(range(num_heads)) for layer in sorted(layers)}
+
+
+@dataclass(frozen=True)
 class RetrievalConfig:
     """Cross-model Retrieval and the draft's other cache budgets (paper defaults: 32, 32, every 4, window 512)."""
 
@@ -68,6 +119,7 @@ class RetrievalConfig:
     trigger: Literal["fixed", "adaptive"] = "fixed"  # adaptive: retrieve early when acceptance drops
     min_acceptance: float = 0.5  # adaptive: retrieve when the recent acceptance rate falls below this
     acceptance_window: int = 2  # adaptive: steps the recent acceptance rate is averaged over
+    signal: str | RetrievalSignal = "default"  # a name ("paper", "default": the pair's calibrated signal) or a signal
 
     def __post_init__(self) -> None:
         if self.trigger not in ("fixed", "adaptive"):
@@ -91,6 +143,9 @@ class RetrievalConfig:
             raise ValueError(f"prefill_window must be at least 1 token, got {self.prefill_window}")
         if self.sink_tokens < 0:
             raise ValueError(f"sink_tokens must not be negative, got {self.sink_tokens}")
+        if isinstance(self.signal, str) and self.signal not in SIGNAL_NAMES:
+            raise ValueError(f"retrieval signal must be one of {', '.join(SIGNAL_NAMES)} or a RetrievalSignal, "
+                             f"got {self.signal!r}")
         if self.sink_tokens >= self.working_cache:
             raise ValueError(
                 f"sink_tokens={self.sink_tokens} must be smaller than the working cache ({self.working_cache} tokens)"

@@ -9,19 +9,20 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Iterator
 
 import torch
 
-from .attention import AttentionPlan, QueryCapture, attention_row_scores
+from .attention import AttentionPlan, QueryCapture
 from .cache import KVCache
-from .config import GenerationConfig
+from .config import GenerationConfig, RetrievalSignal
 from .drafting import Drafter, DraftTree, ModelDrafter, tree_mask
 from .lookup import LookupDrafter, MergedDrafter
 from .events import Drafted, Event, Finished, Prefilled, Prefilling, Retrieved, Started, Verified
 from .models import ModelPair, final_layer, forward
 from .retrieval import make_policy
+from .signal import QueryWindow, combine, head_scores, kv_heads_of, resolve
 from .verification import sampling_probs, verify_greedy, verify_sampling
 
 PREFILL_BLOCK = 2048  # target prefill block: bounds memory and lets Stop act between blocks
@@ -47,15 +48,22 @@ def check_request(pair: ModelPair, prompt_ids: list[int], config: GenerationConf
 
 
 class Target:
-    """The target model, its KV cache, and the final-layer queries retrieval scores from."""
+    """The target model, its KV cache, and (when retrieval scores) the queries of its scoring heads."""
 
-    def __init__(self, model, config: GenerationConfig, capacity: int) -> None:
+    def __init__(self, model, config: GenerationConfig, capacity: int, signal: RetrievalSignal | None = None) -> None:
         self.model = model
         self.kernels = config.attention
         self.cache = KVCache(model.config.num_hidden_layers, capacity)
-        layer, self.scale = final_layer(model)
-        self.capture = QueryCapture(layer)
-        self.row = 0  # row of the last accepted token in the latest forward
+        self.scale = final_layer(model)[1]
+        self.window = self.capture = None
+        if signal is not None:
+            c = model.config
+            heads = signal.head_sets(c.num_hidden_layers, c.num_attention_heads)
+            self.window = QueryWindow(heads, signal.rows)
+            self.capture = QueryCapture(self.window.layers)
+            kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+            self.kv_of = {layer: kv_heads_of(h, c.num_attention_heads, kv) for layer, h in heads.items()}
+            self.combine = signal.combine
         self.base = 0  # cache slots before the latest verified root
 
     def prefill(self, prompt: list[int], stop) -> Iterator[int]:
@@ -65,8 +73,10 @@ class Target:
             if stop is not None and stop.is_set():
                 return
             block = prompt[start : start + PREFILL_BLOCK]
-            self.logits = forward(self.model, self.cache, block, torch.arange(start, start + len(block)), plan, 1)
-            self.row = len(block) - 1
+            positions = torch.arange(start, start + len(block))
+            self.logits = forward(self.model, self.cache, block, positions, plan, 1)
+            if self.window is not None:
+                self.window.push(self.capture.queries, torch.arange(len(block)), positions)
             yield start + len(block)
 
     def verify(self, root: int, tree: DraftTree) -> torch.Tensor:
@@ -77,16 +87,24 @@ class Target:
         return forward(self.model, self.cache, [root, *tree.tokens], positions, plan, len(tree.tokens) + 1)
 
     def commit(self, path: list[int]) -> None:
-        """Keep the prefix, the root and the accepted path; drop the rejected nodes' KV."""
+        """Keep the prefix, the root and the accepted path; drop the rejected nodes' KV; the read rows join the window."""
         kept = self.base + 1  # the committed prefix and the root
         self.cache.keep(torch.cat([torch.arange(kept), kept + torch.tensor(path, dtype=torch.long)]))
-        self.row = path[-1] + 1 if path else 0
+        if self.window is not None:  # the rows of the root and the accepted nodes, at their positions
+            rows = torch.tensor([0, *(n + 1 for n in path)], dtype=torch.long)
+            self.window.push(self.capture.queries, rows, self.base + torch.arange(len(rows)))
+
+    def head_scores(self, rows: int | None = None) -> torch.Tensor:
+        """Each scoring head's attention over every committed token, averaged over the window's last `rows` rows
+        (all when None): (H_sel, T), layer by layer in the window's head order."""
+        w = self.window
+        rows = rows or w.rows
+        return torch.cat([head_scores(w.queries[layer][:, -rows:], self.kv_of[layer], self.cache.layers[layer].filled()[0],
+                                      w.positions[-rows:], self.scale) for layer in sorted(w.layers)])
 
     def token_scores(self) -> torch.Tensor:
-        """The final layer's attention row of the last accepted token, averaged over heads: (T,)."""
-        keys = self.cache.layers[self.capture.layer].filled()[0]
-        query = self.capture.query[:, :, self.row : self.row + 1]
-        return attention_row_scores(query, keys, self.scale).cpu()
+        """The retrieval signal's score of every committed token: the scoring heads combined, (T,)."""
+        return combine(self.head_scores(), self.combine).cpu()
 
 
 def make_drafter(pair: ModelPair, config: GenerationConfig, capacity: int) -> Drafter | None:
@@ -107,13 +125,16 @@ def generate(
 ) -> Iterator[Event]:
     """Yield the events of one request. `stop` ends it between steps; `drafter` replaces the config's drafter."""
     prompt = check_request(pair, prompt_ids, config)
+    signal = resolve(config.retrieval.signal, pair.calibrated)
+    config = config.replace(retrieval=replace(config.retrieval, signal=signal))
     start = time.perf_counter()
     clock = lambda: time.perf_counter() - start  # noqa: E731
     sync = torch.cuda.synchronize if pair.device.type == "cuda" else (lambda: None)
     generator = None if config.greedy else torch.Generator().manual_seed(config.seed)
     room = len(prompt) + config.max_new_tokens + config.tree_budget + 2
-    target = Target(pair.target, config, room)
     drafter = drafter or make_drafter(pair, config, room)
+    scored = drafter is not None and drafter.policy.needs_scores
+    target = Target(pair.target, config, room, signal if scored else None)
     yield Started(clock(), 0.0, config.method, tuple(prompt), asdict(config), pair.target.config.num_hidden_layers,
                   pair.draft.config.num_hidden_layers if drafter is not None and pair.draft is not None else 0,
                   str(pair.device), str(pair.dtype).replace("torch.", ""))
@@ -205,11 +226,12 @@ def finished_reason(out: list[int], config: GenerationConfig) -> str | None:
 
 
 def retrieve(drafter: Drafter, target: Target, step: int, config: GenerationConfig, clock, sync) -> Retrieved:
-    """Rebuild the draft's working cache; CMR scores chunks by the target's final-layer attention row."""
+    """Rebuild the draft's working cache; CMR scores chunks by the retrieval signal (the target's captured queries)."""
     phase = clock()
-    scores = target.token_scores() if drafter.policy.needs_scores else None
-    selection, seq_len = drafter.rebuild(scores)
+    scored = drafter.policy.needs_scores
+    selection, seq_len = drafter.rebuild(target.token_scores() if scored else None)
     sync()
+    signal = config.retrieval.signal
     return Retrieved(clock(), clock() - phase, step, drafter.policy.name, seq_len, config.retrieval.chunk_size,
                      selection.chunk_spans, selection.scores, selection.selected, selection.kept_spans,
-                     int(selection.positions.shape[0]))
+                     int(selection.positions.shape[0]), signal.name if scored else "", signal.reserve if scored else 0)

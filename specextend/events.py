@@ -93,7 +93,7 @@ class Verified:
 
 @dataclass(frozen=True)
 class Retrieved:
-    """The draft's working cache was rebuilt from the chunks the target's final-layer attention scored highest."""
+    """The draft's working cache was rebuilt: for CMR from the chunks the retrieval signal scored highest."""
 
     t_s: float
     elapsed_s: float
@@ -106,6 +106,8 @@ class Retrieved:
     selected: tuple[int, ...]  # chunk ids in the working cache, in document order (streaming: ())
     kept_spans: tuple[tuple[int, int], ...]  # token spans [start, end) in the working cache
     working_cache_len: int
+    signal: str = ""  # CMR: the retrieval signal's name
+    reserved: int = 0  # CMR: the newest chunks kept whatever their scores (the recency reserve)
 
 
 @dataclass(frozen=True)

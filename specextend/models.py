@@ -18,7 +18,8 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
-from . import attention
+from . import attention, signal
+from .config import RetrievalSignal
 from .cache import KVCache
 
 SUPPORTED = ("llama", "qwen2", "mistral")
@@ -37,6 +38,7 @@ class ModelPair:
     dtype: torch.dtype
     backend: str  # "flash-attn" or "sdpa": the fused kernels attention.py dispatches to
     load_s: float = 0.0
+    calibrated: RetrievalSignal | None = None  # the retrieval signal calibrated for this target (signal.py)
 
     @property
     def max_positions(self) -> int:
@@ -236,7 +238,8 @@ def prepare(model: PreTrainedModel) -> PreTrainedModel:
     return model.eval()
 
 
-def make_pair(target: PreTrainedModel, draft: PreTrainedModel | None, load_s: float = 0.0) -> ModelPair:
+def make_pair(target: PreTrainedModel, draft: PreTrainedModel | None, load_s: float = 0.0,
+              calibrated: RetrievalSignal | None = None) -> ModelPair:
     """A pair from models already in memory (tests build tiny ones from configs)."""
     prepare(target)
     if draft is not None:
@@ -244,7 +247,7 @@ def make_pair(target: PreTrainedModel, draft: PreTrainedModel | None, load_s: fl
         check_vocab(target, draft)
     param = next(target.parameters())
     backend = "flash-attn" if attention.use_flash_attn(param) else "sdpa"
-    return ModelPair(target, draft, param.device, param.dtype, backend, load_s)
+    return ModelPair(target, draft, param.device, param.dtype, backend, load_s, calibrated)
 
 
 def load_pair(
@@ -258,7 +261,8 @@ def load_pair(
     target_model = load_model(target, dev, dt, device_map="auto" if spread else None)
     first = next(target_model.parameters()).device
     draft_model = load_model(draft, first, dt, target=target_model) if draft is not None else None
-    return make_pair(target_model, draft_model, time.perf_counter() - start)
+    calibrated = signal.load(draft, signal.target_shape(target_model)) if draft is not None and Path(draft).is_dir() else None
+    return make_pair(target_model, draft_model, time.perf_counter() - start, calibrated)
 
 
 def rope_inv_freq(model: PreTrainedModel) -> torch.Tensor:

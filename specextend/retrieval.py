@@ -2,8 +2,8 @@
 
 A policy decides which committed positions the draft's working cache holds. Three policies share one
 interface: `full` (every position: standard speculative decoding), `streaming` (sink tokens + recent
-window, as StreamingLLM) and `cmr` (the chunks the target's final-layer attention scores highest, plus
-the sink chunk and the newest chunk). Chunking, scoring and selection are pure functions.
+window, as StreamingLLM) and `cmr` (the chunks the retrieval signal scores highest, plus the sink chunk and
+the signal's recency reserve of newest chunks). Chunking, scoring and selection are pure functions.
 Knows positions and scores; knows nothing of models, caches or kernels.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import RetrievalConfig
+from .config import RetrievalConfig, RetrievalSignal
 
 
 def chunk_spans(seq_len: int, chunk_size: int) -> list[tuple[int, int]]:
@@ -35,12 +35,13 @@ def chunk_scores(token_scores: torch.Tensor, chunk_size: int) -> torch.Tensor:
     return sums / counts
 
 
-def select_chunks(scores: torch.Tensor, top_k: int) -> list[int]:
-    """The top_k chunks by score, always including the first (attention sink) and the last (newest), in order."""
+def select_chunks(scores: torch.Tensor, top_k: int, reserve: int = 1) -> list[int]:
+    """The top_k chunks by score, always including the first (attention sink) and the newest `reserve` (at most
+    top_k - 1), in order: the rest of the budget goes to the best-scored older chunks."""
     n_chunks = scores.shape[0]
     if n_chunks <= top_k:  # everything fits (also: nothing to choose from)
         return list(range(n_chunks))
-    forced = {0, n_chunks - 1}
+    forced = {0, *range(max(1, n_chunks - min(reserve, top_k - 1)), n_chunks)}
     rest = scores.clone()
     rest[list(forced)] = float("-inf")
     best = torch.topk(rest, top_k - len(forced)).indices.tolist()
@@ -124,13 +125,16 @@ class StreamingPolicy(DraftCachePolicy):
 
 
 class CMRPolicy(DraftCachePolicy):
-    """Cross-model Retrieval: every `retrieve_every` steps keep the top-k chunks by target attention."""
+    """Cross-model Retrieval: every `retrieve_every` steps keep the top-k chunks by the retrieval signal's scores."""
 
     name = "cmr"
     needs_scores = True
 
     def __init__(self, config: RetrievalConfig) -> None:
+        if not isinstance(config.signal, RetrievalSignal):
+            raise ValueError(f"CMR needs a resolved retrieval signal, not the name {config.signal!r} (signal.resolve)")
         self.config = config
+        self.reserve = config.signal.reserve
         self.prefill_window = config.prefill_window
 
     def due(self, step: int, working_len: int) -> bool:
@@ -140,7 +144,7 @@ class CMRPolicy(DraftCachePolicy):
         size = self.config.chunk_size
         spans = chunk_spans(seq_len, size)
         scores = chunk_scores(token_scores[:seq_len], size)
-        chosen = select_chunks(scores, self.config.top_k)
+        chosen = select_chunks(scores, self.config.top_k, self.reserve)
         return Selection(
             kept_spans=tuple(merge_spans([spans[i] for i in chosen])),
             chunk_spans=tuple(spans),

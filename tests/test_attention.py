@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 from conftest import VOCAB, tiny
 from specextend.attention import (
     AttentionPlan,
-    attention_row_scores,
     causal_window_mask,
     full_tree_mask,
     fused_attention_with_lse,
@@ -200,22 +199,6 @@ def test_causal_window_mask_is_the_definition(q_len, key_start, extra, window):
         for j in range(key_start, key_len):
             want = j <= past + i and (window is None or past + i - j < window)
             assert bool(mask[i, j - key_start]) == want
-
-
-# ------------------------------------------------------------------------ retrieval score row
-
-
-@pytest.mark.parametrize("k_len", [1, 9, 64])
-def test_attention_row_scores_is_head_averaged_softmax(k_len):
-    q, k, _ = tensors(1, 1, k_len, k_len)
-    q = q * 2
-    scores = attention_row_scores(q, k, SCALE)
-    assert scores.shape == (k_len,) and scores.dtype == torch.float32
-    assert abs(float(scores.sum()) - 1.0) < 1e-5
-    assert bool((scores >= 0).all())
-    repeated = k.double().repeat_interleave(Q_HEADS // KV_HEADS, dim=1)
-    probs = torch.softmax(torch.matmul(q.double(), repeated.transpose(-1, -2)) * SCALE, dim=-1)  # (1, H_q, 1, T)
-    close(scores, probs.mean(dim=(0, 1, 2)), atol=1e-6)
 
 
 # ------------------------------------------------------------------------------ inside models

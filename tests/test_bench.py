@@ -79,7 +79,11 @@ def test_quick_run_covers_every_method_with_the_required_fields(quick):
         assert lookup["draft"] == lookup["both"] == 0  # lookup alone: no draft model
         assert by[(length, "specextend_lookup")]["decode_speedup_vs_hf_prompt_lookup"]["median"] > 0
     assert report["needle"]["summary"]["needles"] == 2
-    assert set(report["needle"]["summary"]["accuracy"]) == {"target", "full", "streaming", "cmr"}
+    summary = report["needle"]["summary"]
+    assert set(summary["accuracy"]) == {"target", "full", "streaming", "paper", "default"}
+    assert set(summary["hold_rate"]) == {"paper", "default", "streaming"}
+    assert summary["signals"] == {"paper": "paper", "default": "uncalibrated"}  # the quick pair has no calibration
+    assert all(0.0 <= v <= 1.0 for v in summary["hold_rate"].values())
     assert report["sweep"][0]["setting"].startswith("default") and len(report["sweep"]) > 4
     assert {s["trigger"] for s in report["sweep"]} == {"fixed", "adaptive"}
     assert any(g["goal"].startswith("specextend_lookup decode speedup over hf_prompt_lookup") for g in report["goals"])
@@ -101,10 +105,18 @@ def test_planted_greedy_mismatch_stops_the_run(tmp_path, monkeypatch, capsys):
 
 
 def test_needle_only_run_writes_only_the_needle_figure(tmp_path, capsys):
-    rc = bench.main(["--quick", "--out", str(tmp_path), "--skip", "grid,sweep", "--needles", "2"])
+    doc = tmp_path / "doc.txt"
+    doc.write_text(" ".join(f"Sentence number {i} says little of note." for i in range(120)))
+    rc = bench.main(["--quick", "--out", str(tmp_path), "--skip", "grid,sweep", "--needle-docs",
+                     str(doc), "--signal-layers", "all", "--signal-rows", "8", "--signal-combine", "max"])
     assert rc == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(last["needle"]["hold_rate"]) == {"paper", "default", "chosen", "streaming"}  # --signal-* made a third
     report = json.loads((tmp_path / "bench.json").read_text())
-    assert report["cells"] == [] and report["needle"]["summary"]["needles"] == 2
+    assert report["cells"] == [] and report["needle"]["summary"]["needles"] == 2  # --quick: 2 needles
+    assert report["needle"]["documents"] == ["doc.txt"] and {c["document"] for c in report["needle"]["cases"]} == {"doc.txt"}
+    for case in report["needle"]["cases"]:  # the needle's token span really is the planted fact
+        assert 0 < case["needle_span"][0] < case["needle_span"][1] < case["prompt_tokens"]
     assert "needle.html" in report["files"] and not (tmp_path / "throughput.html").exists()
     md = (tmp_path / "bench.md").read_text()
     assert "**Needle retrieval**" in md and "| goal |" not in md

@@ -25,12 +25,19 @@ def test_knobs_reach_the_config():
     assert config.temperature == 0.5 and config.top_p == 0.9 and config.eos_token_ids == (2,)
     assert config_from(args("--no-cmr"), eos=()).draft_cache == "full"
     assert config_from(args(), eos=()).draft_cache == "cmr"
+    assert config_from(args(), eos=()).retrieval.signal == "default"
+    assert config_from(args("--signal", "paper"), eos=()).retrieval.signal == "paper"
+    own = config_from(args("--signal-layers", "3,-2", "--signal-rows", "16", "--signal-reserve", "4"), eos=()).retrieval
+    assert (own.signal.layers, own.signal.rows, own.signal.combine, own.signal.reserve) == ((3, -2), 16, "mean", 4)
+    assert config_from(args("--signal-layers", "all", "--signal-combine", "max"), eos=()).retrieval.signal.layers == ()
 
 
 @pytest.mark.parametrize("bad, message", [(["--chunk-size", "0"], "chunk_size"), (["--top-k", "0"], "top_k"),
                                           (["--k", "0"], "k must"), (["--temperature", "-1"], "temperature"),
                                           (["--working-cache", "8"], "smaller than one chunk"),
-                                          (["--node-budget", "0"], "node_budget")])
+                                          (["--node-budget", "0"], "node_budget"),
+                                          (["--signal-rows", "0"], "rows"), (["--signal-reserve", "0"], "reserve"),
+                                          (["--signal-layers", "middle"], "signal-layers")])
 def test_nonsense_knobs_are_refused(bad, message):
     with pytest.raises(ValueError, match=message):
         config_from(args(*bad), eos=())

@@ -4,6 +4,8 @@ ablation, draft shape and retrieval budget; scripted drafts; event invariants; b
 from __future__ import annotations
 
 import copy
+import dataclasses
+from dataclasses import replace
 import threading
 
 import pytest
@@ -11,12 +13,13 @@ import torch
 
 from conftest import VOCAB, reference_greedy, tiny
 from specextend import events as ev
-from specextend.config import AttentionConfig, DraftConfig, GenerationConfig, RetrievalConfig, preset
+from specextend.config import AttentionConfig, DraftConfig, GenerationConfig, RetrievalConfig, RetrievalSignal, preset
 from specextend.drafting import DraftTree
 from specextend.engine import generate
 from specextend.metrics import new_tokens, summarize
 from specextend.models import make_pair
 from specextend.retrieval import DraftCachePolicy
+from specextend.signal import PAPER, UNCALIBRATED
 
 N_NEW = 24
 
@@ -269,3 +272,38 @@ def test_adaptive_retrieval_is_lossless_and_off_the_fixed_schedule(llama_pair, r
     retrieved = [e.step for e in trace if isinstance(e, ev.Retrieved)]
     # after prefill, then exactly after the steps that accepted under 90% of their chain (or 4 quiet steps)
     assert retrieved[0] == 0 and all(steps[s] < 4 or s >= 4 for s in retrieved[1:])
+
+
+SIGNALS = [PAPER, UNCALIBRATED, RetrievalSignal("custom", heads=((0, 1), (2, 3), (2, 0)), rows=5, combine="max", reserve=2),
+           RetrievalSignal("middle", layers=(1,), rows=64, reserve=3)]
+
+
+@pytest.mark.parametrize("sig", SIGNALS, ids=[s.name for s in SIGNALS])
+@pytest.mark.parametrize("draft", DRAFTS[::2], ids=["chain4", "tree10"])
+def test_greedy_equals_target_under_every_retrieval_signal(llama_pair, refs, sig, draft):
+    prompt = prompt_of(301, seed=301)
+    for retrieval in SETTINGS:
+        config = preset("specextend", max_new_tokens=N_NEW, draft=draft, retrieval=replace(retrieval, signal=sig))
+        trace = run(llama_pair, prompt, config)
+        assert output(trace) == refs(prompt), (sig, retrieval)
+        retrieved = [e for e in trace if isinstance(e, ev.Retrieved)]
+        assert retrieved and all(e.signal == sig.name for e in retrieved)
+        assert all(e.reserved == sig.reserve for e in retrieved)
+        started = trace[0].config["retrieval"]["signal"]
+        assert started["name"] == sig.name and started["rows"] == sig.rows  # the trace records the resolved signal
+
+
+def test_default_signal_resolves_to_the_pairs_calibration(llama_pair):
+    calibrated = RetrievalSignal("calibrated", heads=((1, 2),), rows=3, reserve=2)
+    pair = dataclasses.replace(llama_pair, calibrated=calibrated)
+    retrieval = RetrievalConfig(chunk_size=16, top_k=4, prefill_window=32)
+    names = {}
+    for name in ("default", "calibrated", "paper"):
+        trace = run(pair, prompt_of(200, seed=3), preset("specextend", max_new_tokens=8,
+                                                         retrieval=replace(retrieval, signal=name)))
+        names[name] = {e.signal for e in trace if isinstance(e, ev.Retrieved)}
+    assert names == {"default": {"calibrated"}, "calibrated": {"calibrated"}, "paper": {"paper"}}
+    uncalibrated = run(llama_pair, prompt_of(200, seed=3), preset("specextend", max_new_tokens=8, retrieval=retrieval))
+    assert {e.signal for e in uncalibrated if isinstance(e, ev.Retrieved)} == {UNCALIBRATED.name}
+    with pytest.raises(ValueError, match="calibrated"):
+        run(llama_pair, prompt_of(200), preset("specextend", retrieval=replace(retrieval, signal="calibrated")))

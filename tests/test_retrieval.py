@@ -15,6 +15,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from specextend.config import RetrievalConfig
+from specextend.signal import PAPER
 from specextend.retrieval import (
     CMRPolicy,
     DraftCachePolicy,
@@ -66,15 +67,15 @@ def test_chunk_scores_partial_last_chunk_by_hand():
 
 
 @FAST
-@given(scores=st.lists(finite, min_size=1, max_size=60), top_k=st.integers(2, 70))
-def test_select_chunks_properties(scores, top_k):
+@given(scores=st.lists(finite, min_size=1, max_size=60), top_k=st.integers(2, 70), reserve=st.integers(1, 8))
+def test_select_chunks_properties(scores, top_k, reserve):
     n = len(scores)
-    chosen = select_chunks(torch.tensor(scores), top_k)
+    chosen = select_chunks(torch.tensor(scores), top_k, reserve)
     assert chosen == sorted(set(chosen))  # sorted, unique
     assert all(0 <= c < n for c in chosen)
     assert len(chosen) == min(n, top_k)  # the whole budget is used
-    assert 0 in chosen and n - 1 in chosen  # sink and newest chunk
-    forced = {0, n - 1}
+    forced = {0, *range(max(0, n - min(reserve, top_k - 1)), n)}  # sink and the newest `reserve` (at most top_k - 1)
+    assert forced <= set(chosen)
     picked = [scores[c] for c in chosen if c not in forced]
     passed = [scores[c] for c in range(n) if c not in chosen and c not in forced]
     if picked and passed:
@@ -89,6 +90,9 @@ def test_select_chunks_by_hand():
     assert select_chunks(scores, 7) == list(range(7))
     assert select_chunks(scores, 100) == list(range(7))
     assert select_chunks(torch.tensor([0.5]), 2) == [0]
+    # a reserve of 3 keeps chunks 4-6 whatever their scores; the one chunk left goes to the best older chunk
+    assert select_chunks(scores, 5, reserve=3) == [0, 1, 4, 5, 6]
+    assert select_chunks(scores, 4, reserve=3) == [0, 4, 5, 6]
 
 
 @st.composite
@@ -179,7 +183,8 @@ def test_streaming_by_hand():
     extra=st.integers(0, 5),
 )
 def test_cmr_policy_selects_top_chunks_within_budget(chunk_size, top_k, every, seed, seq_len, extra):
-    config = RetrievalConfig(chunk_size=chunk_size, top_k=top_k, retrieve_every=every, prefill_window=33, sink_tokens=1)
+    config = RetrievalConfig(chunk_size=chunk_size, top_k=top_k, retrieve_every=every, prefill_window=33, sink_tokens=1,
+                             signal=PAPER)
     policy = make_policy("cmr", config)
     assert isinstance(policy, CMRPolicy) and policy.name == "cmr"
     assert policy.needs_scores and policy.prefill_window == 33
@@ -203,7 +208,7 @@ def test_cmr_policy_selects_top_chunks_within_budget(chunk_size, top_k, every, s
 
 
 def test_cmr_by_hand():
-    config = RetrievalConfig(chunk_size=4, top_k=3, retrieve_every=4)
+    config = RetrievalConfig(chunk_size=4, top_k=3, retrieve_every=4, signal=PAPER)
     token_scores = torch.zeros(18)  # chunks [0,4) [4,8) [8,12) [12,16) [16,18)
     token_scores[9] = 0.5  # chunk 2 is the hot one
     token_scores[5] = 0.1
@@ -211,7 +216,7 @@ def test_cmr_by_hand():
     assert selection.selected == (0, 2, 4)
     assert selection.kept_spans == ((0, 4), (8, 12), (16, 18))
     assert selection.positions.tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 16, 17]
-    touching = make_policy("cmr", RetrievalConfig(chunk_size=4, top_k=3)).select(12, token_scores)
+    touching = make_policy("cmr", RetrievalConfig(chunk_size=4, top_k=3, signal=PAPER)).select(12, token_scores)
     assert touching.selected == (0, 1, 2) and touching.kept_spans == ((0, 12),)
     empty = make_policy("cmr", config).select(0, token_scores)
     assert empty.positions.tolist() == [] and empty.selected == ()
@@ -219,7 +224,7 @@ def test_cmr_by_hand():
 
 def test_adaptive_trigger_retrieves_when_acceptance_drops_and_at_the_latest_cap():
     config = RetrievalConfig(chunk_size=8, top_k=4, retrieve_every=2, trigger="adaptive", min_acceptance=0.5,
-                             acceptance_window=2)
+                             acceptance_window=2, signal=PAPER)
     policy = make_policy("cmr", config)
     fired = []
     for step, accepted in enumerate([4, 4, 4, 4, 4, 4, 4, 4, 4, 0, 1, 4, 4], start=1):

@@ -1,0 +1,129 @@
+"""The retrieval signal: which of the target's attention heads, reading which query rows, score the context for CMR.
+
+The target's queries are kept as it computes them (no extra forward): `QueryWindow` holds the queries of the
+scoring heads for the last `rows` tokens the target has read. `head_scores` turns them and the target's cached
+keys into one attention distribution per head (causal: a row never sees keys after its own position), and
+`combine` folds the heads into one score per token. A pair may carry a calibrated signal (a file beside its
+draft, written by scripts/calibrate_signal.py); `resolve` turns a signal's name into the signal for a pair.
+Knows tensors, positions and signal files; knows nothing of drafting, verification or the UI.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from .config import RetrievalSignal
+
+SIGNAL_FILE = "retrieval_signal.json"  # beside a draft: {"target": {...shape}, "signal": {...}, "calibration": {...}}
+
+PAPER = RetrievalSignal()
+# Calibration-free: every head of every layer reads the last 32 rows; a chunk scores by its best head; the newest
+# 8 chunks are reserved. Measured on the bundled target in docs/RESULTS.md ("Retrieval signal").
+UNCALIBRATED = RetrievalSignal("uncalibrated", layers=(), heads=(), rows=32, combine="max", reserve=8)
+
+
+class QueryWindow:
+    """The queries of the scoring heads for the last `rows` tokens the target has read, and their positions.
+
+    Per layer (H_sel, W, D) with W <= rows, oldest first; `positions` (W,) the tokens' positions. One verb: `push`.
+    """
+
+    def __init__(self, heads: dict[int, tuple[int, ...]], rows: int) -> None:
+        self.heads = heads
+        self.rows = rows
+        self.queries: dict[int, torch.Tensor] = {}
+        self.positions = torch.zeros(0, dtype=torch.long)
+
+    @property
+    def layers(self) -> frozenset[int]:
+        return frozenset(self.heads)
+
+    def push(self, queries: dict[int, torch.Tensor], rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """Add rows `rows` (indices into each forward's T_q) of queries {layer: (1, H_q, T_q, D)} at `positions`."""
+        rows = rows[-self.rows :]
+        for layer, heads in self.heads.items():
+            q = queries[layer][0, list(heads)]  # (H_sel, T_q, D)
+            new = q.index_select(1, rows.to(q.device))
+            old = self.queries.get(layer)
+            joined = new if old is None else torch.cat([old, new], dim=1)
+            self.queries[layer] = joined[:, -self.rows :]
+        self.positions = torch.cat([self.positions, positions[-self.rows :].cpu()])[-self.rows :]
+
+
+def head_scores(queries: torch.Tensor, kv_of: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """Attention of each scoring head over `keys`, averaged over its query rows.
+
+    queries (H_sel, W, D); kv_of (H_sel,) the KV head each query head reads; keys (1, H_kv, T, D);
+    positions (W,): row w sees keys [0, positions[w]]. Returns (H_sel, T) fp32, each row summing to 1.
+    """
+    n_keys = keys.shape[2]
+    hidden = torch.arange(n_keys, device=keys.device)[None, :] > positions.to(keys.device)[:, None]  # (W, T)
+    out = torch.empty(queries.shape[0], n_keys, dtype=torch.float32, device=keys.device)
+    for kv in kv_of.unique().tolist():
+        sel = (kv_of == kv).nonzero().flatten().to(queries.device)
+        q = queries.index_select(0, sel).float()  # (h, W, D)
+        logits = torch.matmul(q, keys[0, kv].float().transpose(0, 1)) * scale  # (h, W, T)
+        logits.masked_fill_(hidden, float("-inf"))
+        out[sel.to(out.device)] = torch.softmax(logits, dim=-1).mean(dim=1)
+    return out
+
+
+def combine(scores: torch.Tensor, how: str) -> torch.Tensor:
+    """(H, T) per-head scores -> (T,): their mean, or per token the best head's score."""
+    return scores.mean(dim=0) if how == "mean" else scores.max(dim=0).values
+
+
+def kv_heads_of(heads: tuple[int, ...], num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """The KV head each query head reads under grouped-query attention: (len(heads),)."""
+    return torch.tensor([h // (num_heads // num_kv_heads) for h in heads], dtype=torch.long)
+
+
+def span_mass(scores: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
+    """The share of each row's score on [start, end): (..., T) -> (...)."""
+    return scores[..., span[0] : span[1]].sum(dim=-1) / scores.sum(dim=-1).clamp_min(1e-30)
+
+
+# ---------------------------------------------------------------- signals by name, and the pair's calibrated signal
+
+
+def target_shape(model) -> dict:
+    """What a calibrated signal depends on: the target's family and attention shape."""
+    c = model.config
+    return {"model_type": c.model_type, "num_hidden_layers": c.num_hidden_layers, "num_attention_heads":
+            c.num_attention_heads, "num_key_value_heads": getattr(c, "num_key_value_heads", c.num_attention_heads),
+            "hidden_size": c.hidden_size, "vocab_size": c.vocab_size}
+
+
+def save(path: Path, signal: RetrievalSignal, target: dict, calibration: dict) -> None:
+    data = {"target": target, "signal": asdict(signal), "calibration": calibration}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def load(folder: str | Path | None, target: dict) -> RetrievalSignal | None:
+    """The calibrated signal stored in `folder` for a target of this shape; None when there is none or it is another's."""
+    path = Path(folder) / SIGNAL_FILE if folder is not None else None
+    if path is None or not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    if data.get("target") != target:
+        return None
+    fields = data["signal"]
+    return RetrievalSignal(**{**fields, "layers": tuple(fields["layers"]), "heads": tuple(map(tuple, fields["heads"]))})
+
+
+def resolve(signal: str | RetrievalSignal, calibrated: RetrievalSignal | None) -> RetrievalSignal:
+    """A signal by name for a pair whose calibrated signal is `calibrated` (None: the pair has none)."""
+    if isinstance(signal, RetrievalSignal):
+        return signal
+    if signal == "paper":
+        return PAPER
+    if signal == "calibrated" and calibrated is None:
+        raise ValueError("this pair has no calibrated retrieval signal (run scripts/calibrate_signal.py); "
+                         "use 'default' or 'paper'")
+    return calibrated or UNCALIBRATED

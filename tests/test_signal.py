@@ -1,0 +1,129 @@
+"""The retrieval signal: config checks, the pure scoring, the query window the target keeps, names and files."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specextend import signal
+from specextend.config import GenerationConfig, RetrievalConfig, RetrievalSignal
+from specextend.drafting import DraftTree
+from specextend.engine import Target
+from specextend.models import prepare
+from specextend.retrieval import make_policy
+from specextend.signal import PAPER, UNCALIBRATED, QueryWindow, combine, head_scores, kv_heads_of, resolve, span_mass
+
+from conftest import VOCAB, tiny
+
+Q_HEADS, KV_HEADS, DIM = 6, 2, 16
+
+
+def test_signal_config_checks():
+    assert PAPER.name == "paper" and PAPER.layers == (-1,) and PAPER.rows == 1 and PAPER.combine == "mean"
+    for bad in (dict(rows=0), dict(combine="median"), dict(reserve=0), dict(heads=((1, -1),))):
+        with pytest.raises(ValueError):
+            RetrievalSignal(**bad)
+    with pytest.raises(ValueError, match="signal"):
+        RetrievalConfig(signal="loudest")
+    with pytest.raises(ValueError, match="resolved"):
+        make_policy("cmr", RetrievalConfig())  # a name must be resolved for a pair first
+
+
+def test_head_sets_count_layers_from_the_end_and_refuse_what_the_target_lacks():
+    assert PAPER.head_sets(4, 3) == {3: (0, 1, 2)}
+    assert RetrievalSignal(layers=(0, -2)).head_sets(4, 2) == {0: (0, 1), 2: (0, 1)}
+    assert RetrievalSignal(layers=()).head_sets(2, 2) == {0: (0, 1), 1: (0, 1)}  # every head of every layer
+    assert RetrievalSignal(heads=((2, 1), (0, 0), (2, 0))).head_sets(4, 3) == {0: (0,), 2: (0, 1)}
+    with pytest.raises(ValueError, match="layer"):
+        RetrievalSignal(layers=(4,)).head_sets(4, 3)
+    with pytest.raises(ValueError, match="head"):
+        RetrievalSignal(heads=((0, 3),)).head_sets(4, 3)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 5), keys=st.integers(1, 30), seed=st.integers(0, 1000))
+def test_head_scores_are_causal_row_averaged_softmaxes(rows, keys, seed):
+    gen = torch.Generator().manual_seed(seed)
+    heads = (0, 2, 3, 5)
+    q_all = torch.randn(Q_HEADS, rows, DIM, generator=gen)
+    k = torch.randn(1, KV_HEADS, keys, DIM, generator=gen)
+    positions = torch.randint(0, keys, (rows,), generator=gen)
+    kv_of = kv_heads_of(heads, Q_HEADS, KV_HEADS)
+    assert kv_of.tolist() == [0, 0, 1, 1]
+    got = head_scores(q_all[list(heads)], kv_of, k, positions, DIM**-0.5)
+    assert got.shape == (len(heads), keys)
+    for i, h in enumerate(heads):  # by hand: one softmax per row over the keys it saw, then the mean of the rows
+        want = torch.zeros(keys, dtype=torch.float64)
+        for w in range(rows):
+            p = int(positions[w])
+            logits = (q_all[h, w].double() @ k[0, h // 3, : p + 1].double().T) * DIM**-0.5
+            want[: p + 1] += torch.softmax(logits, 0) / rows
+        torch.testing.assert_close(got[i].double(), want, atol=1e-5, rtol=1e-4)
+    last = int(positions.max())
+    assert float(got[:, last + 1 :].abs().sum()) == 0.0  # no row sees a key after its own position
+
+
+def test_combine_and_span_mass():
+    scores = torch.tensor([[0.5, 0.25, 0.25, 0.0], [0.0, 0.0, 0.5, 0.5]])
+    assert combine(scores, "mean").tolist() == [0.25, 0.125, 0.375, 0.25]
+    assert combine(scores, "max").tolist() == [0.5, 0.25, 0.5, 0.5]
+    assert span_mass(scores, (2, 4)).tolist() == [0.25, 1.0]
+
+
+def test_query_window_keeps_the_newest_rows_in_order():
+    window = QueryWindow({1: (0, 2)}, rows=3)
+    q = torch.arange(1 * 4 * 5 * 2, dtype=torch.float32).view(1, 4, 5, 2)  # (B, H, T, D)
+    window.push({1: q}, torch.arange(5), torch.arange(10, 15))  # a prefill block of 5 rows: the last 3 stay
+    assert window.positions.tolist() == [12, 13, 14]
+    assert torch.equal(window.queries[1], q[0, [0, 2]][:, 2:])
+    window.push({1: q}, torch.tensor([0, 3]), torch.tensor([15, 16]))  # a step: the root and one accepted node
+    assert window.positions.tolist() == [14, 15, 16]
+    assert torch.equal(window.queries[1], torch.cat([q[0, [0, 2]][:, 4:], q[0, [0, 2]][:, [0, 3]]], dim=1))
+
+
+def test_target_window_holds_the_queries_of_the_rows_it_read():
+    """After a prefill and a few verified steps, the window's rows are exactly the queries a single forward over
+    the same committed tokens computes at the same positions."""
+    model = prepare(tiny("llama", layers=3, seed=5))
+    sig = RetrievalSignal("t", layers=(0, 2), rows=6)
+    prompt = torch.randint(0, VOCAB, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+    target = Target(model, GenerationConfig(), 64, sig)
+    for _ in target.prefill(prompt, None):
+        pass
+    tokens = list(prompt)
+    for step in range(3):  # a two-node chain each step, the first node accepted
+        root = int(target.logits[-1].argmax()) if step == 0 else bonus
+        tree = DraftTree(tokens=(3, 4), parents=(-1, 0), depths=(1, 2), probs=(1.0, 1.0), q=None, forwards=1)
+        logits = target.verify(root, tree)
+        target.commit([0])
+        tokens += [root, 3]
+        bonus = int(logits[2].argmax())
+    reference = Target(model, GenerationConfig(), 64, sig)
+    for _ in reference.prefill(tokens, None):
+        pass
+    assert target.window.positions.tolist() == list(range(len(tokens) - 6, len(tokens)))
+    for layer in (0, 2):
+        torch.testing.assert_close(target.window.queries[layer], reference.window.queries[layer], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(target.token_scores(), reference.token_scores(), atol=1e-5, rtol=1e-4)
+
+
+def test_resolve_names_and_the_calibration_file(tmp_path):
+    calibrated = RetrievalSignal("calibrated", layers=(), heads=((1, 0), (0, 1)), rows=4, reserve=2)
+    assert resolve("paper", calibrated) == PAPER
+    assert resolve("default", calibrated) == calibrated and resolve("calibrated", calibrated) == calibrated
+    assert resolve("default", None) == UNCALIBRATED
+    with pytest.raises(ValueError, match="calibrate"):
+        resolve("calibrated", None)
+    model = tiny("llama", layers=2, seed=0)
+    shape = signal.target_shape(model)
+    signal.save(tmp_path / signal.SIGNAL_FILE, calibrated, shape, {"needles": 3})
+    assert signal.load(tmp_path, shape) == calibrated
+    assert signal.load(tmp_path, {**shape, "num_hidden_layers": 3}) is None  # another target's calibration
+    assert signal.load(tmp_path / "missing", shape) is None and signal.load(None, shape) is None
+
+
+def test_target_without_a_signal_keeps_no_queries():
+    target = Target(prepare(tiny("llama", layers=2)), GenerationConfig(), 16)
+    assert target.window is None and target.capture is None
