@@ -67,7 +67,8 @@ class Codec:
 
 @dataclass(frozen=True)
 class Loaded:
-    """A model pair ready to generate, with its tokenizer."""
+    """A model pair ready to generate, with its tokenizer; `heads` draws where the target's heads look (the needle
+    tab's layer x head picture), None where the engine has no attention to show."""
 
     choice: PairChoice
     codec: Codec
@@ -75,6 +76,16 @@ class Loaded:
     max_positions: int
     device: str
     dtype: str
+    heads: Callable[[list[int], tuple[int, int]], Any] | None = None
+
+
+def head_picture(pair, ids: list[int], span: tuple[int, int]):
+    """The layer x head picture of `span` with the heads of the pair's default signal and of the paper's outlined."""
+    from specextend.probe import map_heads
+    from specextend.signal import PAPER, resolve
+
+    chosen = resolve("default", pair.calibrated)
+    return map_heads(pair, ids, span, {f"{chosen.name} signal": chosen, "paper's signal": PAPER})
 
 
 class EngineFactory(Protocol):
@@ -109,7 +120,7 @@ def real_factory(choice: PairChoice, progress: Progress) -> Loaded:
                              f"(the operator can set SPECEXTEND_HUB=1 to allow downloads): {exc}") from exc
         raise
     return Loaded(choice, Codec(tokenizer), partial(generate, pair), pair.max_positions, str(pair.device),
-                  str(pair.dtype).replace("torch.", ""))
+                  str(pair.dtype).replace("torch.", ""), partial(head_picture, pair))
 
 
 class PairCache:

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 from specextend.events import Event, Started
 from specextend.metrics import new_tokens
 from visualizers import (
-    Decode, acceptance_spec, answer_html, exactness_html, needle_spec, output_html, retrieval_spec,
+    Decode, acceptance_spec, answer_html, exactness_html, far_html, needle_spec, output_html, retrieval_spec,
     throughput_html, throughput_spec,
 )
 from visualizers.common import label, of, stop_reason
@@ -24,6 +24,7 @@ class View:
     output: str
     exactness: str
     retrieval: dict[str, Any] | None
+    far: str  # the chunks the latest retrieval reached back for, with their text
     acceptance: dict[str, Any] | None
     throughput: dict[str, Any] | None
     readout: str
@@ -64,6 +65,7 @@ def main_view(runs: Mapping[str, Sequence[Event]], primary: str, decode: Decode,
         output=output_html(events, text),
         exactness=exactness(runs, primary, text),
         retrieval=retrieval_spec(events, decode) if charts else None,
+        far=far_html(events, text),
         acceptance=acceptance_spec(events, decode) if charts else None,
         throughput=throughput_spec(runs) if charts else None,
         readout=throughput_html(runs),
@@ -73,7 +75,7 @@ def main_view(runs: Mapping[str, Sequence[Event]], primary: str, decode: Decode,
 def needle_view(runs: Mapping[str, Sequence[Event]], span: tuple[int, int], prompt_len: int, expected: str,
                 text: Decode) -> tuple[dict[str, Any], str]:
     """The teaching tab: the needle-held grid and each run's answer (`text` decodes it for reading)."""
-    return needle_spec(runs, span, prompt_len), answer_html(runs, text, expected)
+    return needle_spec(runs, span, prompt_len), answer_html(runs, text, expected, span)
 
 
 def status_html(lines: Sequence[str], error: str = "") -> str:

@@ -37,6 +37,7 @@ class Knobs:
     temperature: float = 0.0
     seed: int = 0
     lookup: bool = True  # add lookup branches to the draft model's tree (the main run only; lookup alone has them)
+    signal: str = "default"  # CMR's retrieval signal by name (config.SIGNAL_NAMES)
 
 
 def _whole(name: str, value: float | int | None) -> int:
@@ -57,7 +58,7 @@ def build_config(method: str, knobs: Knobs, eos_ids: Sequence[int] = (), max_new
     draft = DraftConfig(shape=knobs.shape, k=_whole("chain length k", knobs.k),
                         max_depth=_whole("tree depth", knobs.max_depth), node_budget=_whole("tree node budget", knobs.node_budget))
     retrieval = RetrievalConfig(chunk_size=_whole("chunk size", knobs.chunk_size), top_k=_whole("top-k chunks", knobs.top_k),
-                                retrieve_every=_whole("retrieve every", knobs.retrieve_every))
+                                retrieve_every=_whole("retrieve every", knobs.retrieve_every), signal=knobs.signal)
     merged = lookup and bool(knobs.lookup) and method not in ("autoregressive", "lookup")
     return preset(method, max_new_tokens=new, temperature=float(knobs.temperature), seed=_whole("seed", knobs.seed),
                   eos_token_ids=tuple(eos_ids), draft=draft, retrieval=retrieval,

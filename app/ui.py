@@ -8,6 +8,7 @@ from __future__ import annotations
 import html
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -16,7 +17,7 @@ import orjson
 from gradio.components.plot import PlotData
 
 from specextend.config import GenerationConfig, preset
-from visualizers import needle_spec, retrieval_spec
+from visualizers import heads_spec, needle_spec, retrieval_spec, signal_html
 from visualizers.common import ending, label
 
 from . import documents
@@ -66,6 +67,9 @@ METHOD_CHOICES = [
     ("lookup drafting alone (copies, no draft model)", "lookup"),
     ("the target alone", "autoregressive"),
 ]
+SIGNAL_CHOICES = [("the pair's default (calibrated heads, recent rows, recency reserve)", "default"),
+                  ("the paper's (final layer, last token, heads averaged)", "paper")]
+NEEDLE_RUNS = ("specextend", "specextend_paper", "streaming")  # the needle tab's runs: CMR under two signals, StreamingLLM
 RACE_CHOICES = [("standard speculative decoding", "speculative"), ("lookup drafting alone", "lookup"),
                 ("the target alone (also checks exactness)", "autoregressive")]
 DEFAULT_TASK = "Summarize the document in a few sentences."
@@ -75,11 +79,22 @@ Draw = Callable[[Job, dict, Callable, bool], list]  # (job, runs so far, decode,
 NEEDLE_INTRO = """
 ### Needle in a haystack: can the draft still see the fact?
 A one-sentence fact (the *needle*) is planted in a long document and the model is asked about it. The target reads
-the whole document, so its answer is the same either way. But the draft only sees its small working cache: to
-guess the answer's tokens, the needle must be in it. **CMR** fills the cache with the chunks the target attends to,
-and while it answers the question, that is the needle. A **StreamingLLM** window keeps only the first tokens and
-the most recent ones, so a needle in the middle falls out (the paper's Table 1 contrast). Both runs use the same
-working-cache budget and retrieve after every step.
+the whole document, so its answer is the same in every run. But the draft only sees its small working cache: to
+guess the answer's tokens, the needle must be in it. **CMR** fills that cache with the chunks the target's attention
+scores highest; *which* attention is the retrieval signal. Three runs, same prompt, same working-cache budget,
+a retrieval after every step:
+
+- **CMR, the pair's chosen signal**: the heads and query rows calibrated for this target on the bundled documents
+  (needles planted at several depths; the rows are the last tokens the target has read, at first the question), with
+  part of the cache kept for the newest text and the rest spent only on older chunks (its settings are listed below);
+- **CMR, the paper's signal**: the final layer, the last token's attention row, all heads averaged, with only the
+  newest chunk reserved;
+- **StreamingLLM**: the first tokens and the most recent ones, whatever the question is.
+
+The picture of layers and heads shows why the paper's choice fails on this small model: the heads that find the
+needle sit in the middle layers and read it from the question's tokens; averaged over the final layer's heads for a
+single token, that signal is too weak, and recency wins the working cache. On larger targets, the final layer often
+does find it; the calibration is what tells.
 """
 
 
@@ -198,13 +213,13 @@ class Studio:
         state.stop()
         return status_html(["Stopping: the run ends after the current step (or prefill block)."])
 
-    def _idle(self, error: str, outputs: int = 7) -> tuple:
+    def _idle(self, error: str, outputs: int = 8) -> tuple:
         return (status_html([], error), *[gr.skip()] * outputs)
 
     def _main_draw(self, primary: str) -> Draw:
         def draw(job: Job, runs, decode, charts: bool) -> list:
             view = main_view(runs, primary, decode, charts, text=job.codec.text if job.codec else None)
-            return [view.output, view.exactness, view.retrieval, view.acceptance, view.throughput, view.readout]
+            return [view.output, view.exactness, view.retrieval, view.far, view.acceptance, view.throughput, view.readout]
 
         return draw
 
@@ -272,18 +287,24 @@ class Studio:
             knobs = Knobs(max_new_tokens=max_new, top_k=top_k, retrieve_every=1, k=4)
             build_config("specextend", knobs, (), self.settings.max_new_tokens)
         except (ValueError, KeyError) as exc:
-            yield self._idle(str(exc), 5)
+            yield self._idle(str(exc), 7)
             return
         task = f"{planted.question} Answer with the answer only."
+        picture: dict[str, Any] = {}
 
         def prepare(say):
             loaded = self.pairs.get(choice, say)
             say("Tokenizing the haystack and the question")
             prompt = loaded.codec.prompt(planted.document, task, marks={"needle": planted.fact})
+            if loaded.heads is not None and "needle" in prompt.marks and len(prompt.ids) < loaded.max_positions:
+                say("Reading where each of the target's heads looks (one prefill that keeps every head's queries)")
+                picture["map"] = loaded.heads(prompt.ids, prompt.marks["needle"])
             return loaded.codec, prompt, loaded.max_positions, loaded.generate
 
-        def configs(m: str, codec) -> GenerationConfig:
-            return build_config(m, knobs, codec.eos_ids, self.settings.max_new_tokens)
+        def configs(m: str, codec) -> GenerationConfig:  # both CMR runs are SpecExtend; they differ in the signal
+            signal = "paper" if m == "specextend_paper" else "default"
+            return build_config("streaming" if m == "streaming" else "specextend", replace(knobs, signal=signal),
+                                codec.eos_ids, self.settings.max_new_tokens)
 
         info = (f"<div class='se-needle'><b>Needle</b> (planted {planted.actual_depth:.0%} into the document): "
                 f"“{html.escape(planted.fact)}”<br><b>Question</b>: {html.escape(planted.question)}</div>")
@@ -291,16 +312,19 @@ class Studio:
         def draw(job: Job, runs, decode, charts: bool) -> list:
             prompt = job.prompt
             if prompt is None or "needle" not in prompt.marks:
-                return [info, needle_spec({}, (0, 0), 0), "", gr.skip(), gr.skip()]
+                return [info, needle_spec({}, (0, 0), 0), "", gr.skip(), gr.skip(), gr.skip(), gr.skip()]
             span = prompt.marks["needle"]
             grid, answers = needle_view(runs, span, len(prompt.ids), planted.answer, job.codec.text)
+            answers += signal_html(runs)
             if not charts:
-                return [info, None, answers, None, None]
+                return [info, None, answers, None, None, None, None]
+            found = picture.get("map")
+            heads = heads_spec(found.share, found.signals, found.rows) if found else heads_spec((), {}, 0)
             mark = ("needle", span)
-            return [info, grid, answers, retrieval_spec(runs.get("specextend", []), decode, mark, height=300),
-                    retrieval_spec(runs.get("streaming", []), decode, mark, height=300)]
+            return [info, grid, answers, heads, *(retrieval_spec(runs.get(m, []), decode, mark, height=300)
+                                                  for m in NEEDLE_RUNS)]
 
-        state.job = Job(["specextend", "streaming"], configs, prepare).start()
+        state.job = Job(list(NEEDLE_RUNS), configs, prepare).start()
         yield from self._stream(state.job, draw)
 
 
@@ -354,6 +378,8 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
                                 every = gr.Number(k.retrieve_every, label="retrieve every (steps)", precision=0)
                             gr.HTML("<div class='se-help'>working cache = chunk size × top-k tokens; it always holds the "
                                     "first chunk (the attention sink) and the newest one.</div>")
+                            signal = gr.Radio(SIGNAL_CHOICES, value=k.signal, label="retrieval signal (CMR)",
+                                              elem_id="signal")
                             shape = gr.Radio(["chain", "tree"], value=k.shape, label="draft shape")
                             with gr.Row():
                                 chain_k = gr.Number(k.k, label="chain length k", precision=0)
@@ -372,6 +398,7 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
                                     "cache. Below: the working cache after each retrieval; hover the ▸ marks at the "
                                     "left to read what the output had said by then, and a chunk to read it.")
                         retrieval = gr.Plot(show_label=False, elem_id="retrieval-plot")
+                        far = gr.HTML(elem_id="far-chunks")
                         gr.Markdown("### ③ Acceptance: which guesses the target keeps")
                         acceptance = gr.Plot(show_label=False, elem_id="acceptance-plot")
                         gr.Markdown("### ④ Speed\nSame input, same token limit. Tokens/s counts only tokens up to the limit.")
@@ -398,18 +425,21 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
                     n_new = gr.Number(24, label="max new tokens", precision=0, elem_id="needle-max-new")
                     n_seed = gr.Number(0, label="seed (which fact)", precision=0)
                 with gr.Row():
-                    n_run = gr.Button("Run CMR and StreamingLLM", variant="primary", elem_id="needle-run")
+                    n_run = gr.Button("Run CMR (two signals) and StreamingLLM", variant="primary", elem_id="needle-run")
                     n_stop = gr.Button("Stop", variant="stop", elem_id="needle-stop")
                 n_status = gr.HTML(elem_id="needle-status")
                 n_info = gr.HTML(elem_id="needle-info")
                 n_grid = gr.Plot(show_label=False, elem_id="needle-plot")
                 n_answers = gr.HTML(elem_id="needle-answers")
+                n_heads = gr.Plot(show_label=False, elem_id="needle-heads")
+                gr.Markdown("Each run's working cache after every retrieval (the needle's chunks marked):")
                 with gr.Row():
                     n_cmr = gr.Plot(show_label=False, elem_id="needle-cmr")
+                    n_paper = gr.Plot(show_label=False, elem_id="needle-paper")
                     n_stream = gr.Plot(show_label=False, elem_id="needle-streaming")
 
-        knobs = [max_new, chunk, top_k, every, shape, chain_k, depth, budget, temperature, seed, lookup]
-        outputs = [status, output, exact, retrieval, acceptance, throughput, readout, download]
+        knobs = [max_new, chunk, top_k, every, shape, chain_k, depth, budget, temperature, seed, lookup, signal]
+        outputs = [status, output, exact, retrieval, far, acceptance, throughput, readout, download]
         sample.change(studio.pick_sample, sample, document, queue=False)
         upload.upload(studio.upload, upload, [document, doc_info], queue=False)
         for source in (document, pair):
@@ -421,7 +451,7 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
                              api_visibility="private")  # the exact token count, now that the model is loaded
         stop_btn.click(studio.stop, state, status, api_name="stop", queue=False)
         n_run.click(studio.needle, [state, n_hay, n_length, n_depth, n_seed, n_topk, n_new, pair],
-                    [n_status, n_info, n_grid, n_answers, n_cmr, n_stream], api_name="needle",
+                    [n_status, n_info, n_grid, n_answers, n_heads, n_cmr, n_paper, n_stream], api_name="needle",
                     concurrency_limit=settings.concurrency, concurrency_id="generate", show_progress="minimal")
         n_stop.click(studio.stop, state, n_status, api_name="needle_stop", queue=False)
         replay_btn.click(studio.replay, [state, trace_file, pace, charts], outputs, api_name="replay", concurrency_limit=4,

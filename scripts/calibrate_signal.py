@@ -34,7 +34,7 @@ from specextend.retrieval import StreamingPolicy, chunk_scores, select_chunks
 
 ROWS = (1, 8, 16, 32, 64)
 TOP_N = (1, 2, 4, 8, 16, 32)
-RESERVES = (1, 4, 8, 16)
+RESERVES = (0.0, 0.125, 0.25, 0.5)  # share of the working cache kept for the newest chunks (0: the newest one)
 
 
 def needle_chunks(span: tuple[int, int], chunk_size: int) -> set[int]:
@@ -69,8 +69,8 @@ def measure(pair, tokenizer, texts: dict[str, str], lengths: list[int], depths: 
     return cases
 
 
-def held(case: dict, chunk_scores_: torch.Tensor, top_k: int, reserve: int) -> bool:
-    return case["needle"] <= set(select_chunks(chunk_scores_, top_k, reserve))
+def held(case: dict, chunk_scores_: torch.Tensor, top_k: int, reserve: float) -> bool:
+    return case["needle"] <= set(select_chunks(chunk_scores_, top_k, RetrievalSignal(reserve=reserve).reserved(top_k)))
 
 
 def rank_heads(cases: list[dict], rows: int) -> list[int]:
@@ -78,12 +78,12 @@ def rank_heads(cases: list[dict], rows: int) -> list[int]:
     return torch.stack([c["share"][rows] for c in cases]).mean(dim=0).argsort(descending=True).tolist()
 
 
-def calibrated_rate(cases: list[dict], ranking: list[int], n: int, rows: int, top_k: int, reserve: int) -> float:
+def calibrated_rate(cases: list[dict], ranking: list[int], n: int, rows: int, top_k: int, reserve: float) -> float:
     chosen = ranking[:n]
     return statistics.fmean(held(c, c["chunks"][rows][chosen].mean(dim=0), top_k, reserve) for c in cases)
 
 
-def best_setting(cases: list[dict], top_k: int) -> tuple[float, int, int, int]:
+def best_setting(cases: list[dict], top_k: int) -> tuple[float, int, int, float]:
     """(hold rate, n heads, rows, reserve) of the best calibrated signal on `cases` (ties: fewer heads, fewer rows,
     then the larger reserve, which keeps more of the recent text the draft continues from)."""
     rankings = {rows: rank_heads(cases, rows) for rows in ROWS}
@@ -97,7 +97,7 @@ def evaluate(cases: list[dict], top_k: int, final: int, heads: int) -> dict:
     """Hold rates of the calibration-free candidates, and of the calibrated one, leave-one-document-out."""
     out = {"streaming": statistics.fmean(c["streaming"] for c in cases)}
     last = list(range(final * heads, (final + 1) * heads))
-    out["paper"] = statistics.fmean(held(c, c["chunks"][1][last].mean(dim=0), top_k, 1) for c in cases)
+    out["paper"] = statistics.fmean(held(c, c["chunks"][1][last].mean(dim=0), top_k, 0.0) for c in cases)
     for rows, r in itertools.product(ROWS, RESERVES):
         out[f"final layer, mean, W={rows}, R={r}"] = statistics.fmean(
             held(c, c["chunks"][rows][last].mean(dim=0), top_k, r) for c in cases)
@@ -125,6 +125,8 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, default=1, help="needles per document, length and depth")
     p.add_argument("--out", default=None, help="folder for retrieval_signal.json (default: the bundled draft's)")
     p.add_argument("--report", default=None, help="write every figure here as JSON")
+    p.add_argument("--cases", default=None, help="keep the measured needles here (torch.save) and reuse them when the "
+                   "file exists: the choice can be re-run without a prefill")
     p.add_argument("--threads", type=int, default=0)
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -140,7 +142,12 @@ def main(argv=None) -> int:
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    cases = measure(pair, tokenizer, texts, lengths, depths, args.seeds, retrieval, log)
+    if args.cases and Path(args.cases).is_file():
+        cases = torch.load(args.cases, weights_only=False)
+    else:
+        cases = measure(pair, tokenizer, texts, lengths, depths, args.seeds, retrieval, log)
+        if args.cases:
+            torch.save(cases, args.cases)
     c = pair.target.config
     result = evaluate(cases, retrieval.top_k, c.num_hidden_layers - 1, c.num_attention_heads)
     rate, n, rows, reserve = best_setting(cases, retrieval.top_k)

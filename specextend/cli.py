@@ -96,7 +96,8 @@ def add_signal_arguments(parser: argparse.ArgumentParser) -> None:
                                                 "(negative from the end)")
     parser.add_argument("--signal-rows", type=int, help="a signal of your own: query rows, the last W tokens read")
     parser.add_argument("--signal-combine", choices=("mean", "max"), help="a signal of your own: how heads combine")
-    parser.add_argument("--signal-reserve", type=int, help="a signal of your own: newest chunks always kept")
+    parser.add_argument("--signal-reserve", type=float,
+                        help="a signal of your own: share of the working cache kept for the newest chunks, in [0, 1)")
 
 
 def signal_from(args: argparse.Namespace) -> str | RetrievalSignal:

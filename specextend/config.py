@@ -62,7 +62,8 @@ class DraftConfig:
 @dataclass(frozen=True)
 class RetrievalSignal:
     """Where CMR's chunk scores come from: which of the target's attention heads, reading which query rows, combined
-    how; and how many of the newest chunks are kept whatever the scores (the recency reserve).
+    how; and how much of the working cache is kept for the newest chunks whatever the scores (the recency reserve:
+    a share of top_k, at least the newest chunk, so it scales with the budget).
 
     The paper's recipe ("paper"): the final layer's heads, the row of the last accepted token, averaged, with only
     the newest chunk reserved. A query row is a token the target has read (prompt or committed output): `rows`
@@ -75,7 +76,7 @@ class RetrievalSignal:
     heads: tuple[tuple[int, int], ...] = ()
     rows: int = 1
     combine: Literal["mean", "max"] = "mean"
-    reserve: int = 1  # newest chunks always kept (at most top_k - 1); the rest of top_k is chosen among older chunks
+    reserve: float = 0.0  # share of top_k kept for the newest chunks; the rest is chosen among older chunks
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
@@ -84,10 +85,14 @@ class RetrievalSignal:
             raise ValueError(f"retrieval signal rows must be at least 1 query row, got {self.rows}")
         if self.combine not in ("mean", "max"):
             raise ValueError(f"retrieval signal combine must be 'mean' or 'max', got {self.combine!r}")
-        if self.reserve < 1:
-            raise ValueError(f"retrieval signal reserve must keep at least the newest chunk, got {self.reserve}")
+        if not 0.0 <= self.reserve < 1.0:  # also rejects NaN
+            raise ValueError(f"retrieval signal reserve is a share of the working cache in [0, 1), got {self.reserve}")
         if any(h < 0 for _, h in self.heads):
             raise ValueError(f"retrieval signal heads must be (layer, head >= 0) pairs, got {self.heads}")
+
+    def reserved(self, top_k: int) -> int:
+        """Newest chunks always kept in a working cache of top_k chunks: the reserve's share, at least one."""
+        return max(1, round(self.reserve * top_k))
 
     def head_sets(self, num_layers: int, num_heads: int) -> dict[int, tuple[int, ...]]:
         """{layer: query heads that score} for a target of `num_layers` x `num_heads`, layers counted from 0."""

@@ -234,4 +234,5 @@ def retrieve(drafter: Drafter, target: Target, step: int, config: GenerationConf
     signal = config.retrieval.signal
     return Retrieved(clock(), clock() - phase, step, drafter.policy.name, seq_len, config.retrieval.chunk_size,
                      selection.chunk_spans, selection.scores, selection.selected, selection.kept_spans,
-                     int(selection.positions.shape[0]), signal.name if scored else "", signal.reserve if scored else 0)
+                     int(selection.positions.shape[0]), signal.name if scored else "",
+                     signal.reserved(config.retrieval.top_k) if scored else 0)

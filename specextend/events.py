@@ -107,7 +107,7 @@ class Retrieved:
     kept_spans: tuple[tuple[int, int], ...]  # token spans [start, end) in the working cache
     working_cache_len: int
     signal: str = ""  # CMR: the retrieval signal's name
-    reserved: int = 0  # CMR: the newest chunks kept whatever their scores (the recency reserve)
+    reserved: int = 0  # CMR: how many of the newest chunks were kept whatever their scores (the recency reserve)
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,19 @@ def copies(events: Sequence[Event]) -> list[tuple[int, tuple[int, ...]]]:
     return out
 
 
+def retrieval_yield(events: Sequence[Event]) -> list[tuple[int, float | None]]:
+    """Per retrieval, its step and what it bought: the mean number of draft tokens the target accepted per step over
+    the steps its working cache served (until the next retrieval); None while no such step has run."""
+    retrieved = [r.step for r in _of(events, Retrieved)]
+    accepted = [(v.step, v.num_accepted) for v in _of(events, Verified)]
+    out = []
+    for i, step in enumerate(retrieved):
+        until = retrieved[i + 1] if i + 1 < len(retrieved) else float("inf")
+        served = [n for s, n in accepted if step < s <= until]
+        out.append((step, sum(served) / len(served) if served else None))
+    return out
+
+
 def committed_curve(events: Sequence[Event]) -> list[tuple[float, int]]:
     """(t_s, tokens generated so far) after prefill and after every step: the throughput curve."""
     points = [(e.t_s, 1) for e in _of(events, Prefilled)]

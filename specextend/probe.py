@@ -2,8 +2,8 @@
 
 `needle_prompt` builds a needle question over a document and finds the needle's token span; `read` prefills a
 target that keeps the queries of the heads a signal names; `head_map` is the share of each head's attention on a
-span (the layer x head picture); `holds` says whether a working cache kept a whole span; `first_hold` is whether
-a signal's first retrieval (right after prefill) keeps the needle. Everything here runs the target's prefill only.
+span (the layer x head picture), `map_heads` that picture with the heads each signal scores with; `holds` says
+whether a working cache kept a whole span. Everything here runs the target's prefill only.
 Knows models through the engine's Target; knows nothing of the UI.
 """
 
@@ -15,10 +15,9 @@ import torch
 
 from . import needle
 from .cli import encode_marked, render_request
-from .config import GenerationConfig, RetrievalConfig, RetrievalSignal
+from .config import GenerationConfig, RetrievalSignal
 from .engine import Target
 from .models import ModelPair
-from .retrieval import StreamingPolicy, make_policy
 from .signal import span_mass
 
 NEEDLE_HINT = "Answer with the value only."
@@ -59,21 +58,27 @@ def head_map(target: Target, span: tuple[int, int], rows: int | None = None) -> 
     return span_mass(target.head_scores(rows), span).view(c.num_hidden_layers, c.num_attention_heads)
 
 
+@dataclass(frozen=True)
+class HeadMap:
+    """Where each of the target's heads looks: the share of its attention (its last `rows` query rows averaged) on a
+    span, per (layer, head); and which heads each named signal scores with."""
+
+    share: tuple[tuple[float, ...], ...]  # (layers, heads)
+    rows: int
+    signals: dict[str, tuple[tuple[int, int], ...]]  # signal name -> its (layer, head) pairs
+
+
+def map_heads(pair: ModelPair, prompt: list[int], span: tuple[int, int], signals: dict[str, RetrievalSignal]) -> HeadMap:
+    """One prefill with every head's queries kept: the layer x head picture for `span`, read with the rows of the
+    first signal given, and the heads of each signal."""
+    c = pair.target.config
+    rows = next(iter(signals.values())).rows if signals else ALL_HEADS.rows
+    share = head_map(read(pair, prompt, replace(ALL_HEADS, rows=rows)), span)
+    heads = {name: tuple((layer, h) for layer, hs in sig.head_sets(c.num_hidden_layers, c.num_attention_heads).items()
+                         for h in hs) for name, sig in signals.items()}
+    return HeadMap(tuple(tuple(row) for row in share.tolist()), rows, heads)
+
+
 def holds(kept_spans, span: tuple[int, int]) -> bool:
     """Whether the kept [start, end) spans cover every token of `span`."""
     return any(a <= span[0] and span[1] <= b for a, b in kept_spans)
-
-
-def first_hold(pair: ModelPair, prompt: NeedlePrompt, retrieval: RetrievalConfig) -> dict[str, bool]:
-    """Whether each working cache holds the whole needle after the first retrieval: CMR under the (resolved) signal
-    `retrieval.signal`, and StreamingLLM's window."""
-    signal = retrieval.signal
-    target = read(pair, prompt.ids, signal)
-    seq_len = len(prompt.ids) - 1  # what the draft has stored at the first retrieval: all but the last prompt token
-    cmr = make_policy("cmr", retrieval).select(seq_len, target.token_scores())
-    window = StreamingPolicy(retrieval).select(seq_len, None)
-    return {signal.name: holds(cmr.kept_spans, prompt.span), "streaming": holds(window.kept_spans, prompt.span)}
-
-
-def with_signal(retrieval: RetrievalConfig, signal: RetrievalSignal) -> RetrievalConfig:
-    return replace(retrieval, signal=signal)

@@ -134,7 +134,7 @@ class CMRPolicy(DraftCachePolicy):
         if not isinstance(config.signal, RetrievalSignal):
             raise ValueError(f"CMR needs a resolved retrieval signal, not the name {config.signal!r} (signal.resolve)")
         self.config = config
-        self.reserve = config.signal.reserve
+        self.reserve = config.signal.reserved(config.top_k)
         self.prefill_window = config.prefill_window
 
     def due(self, step: int, working_len: int) -> bool:

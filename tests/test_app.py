@@ -65,7 +65,7 @@ def test_a_run_streams_every_panel_and_exports_a_replayable_trace(client):
     from gradio_client import handle_file
 
     job = client.submit(*run_args(), api_name="/run")
-    status, output, exact, retrieval, acceptance, throughput, readout, download = job.result()
+    status, output, exact, retrieval, far, acceptance, throughput, readout, download = job.result()
     assert "Done." in status and len(job.outputs()) >= 2  # streamed: several messages, the last carries all
     download = file_path(download)
     assert "se-draft" in output and "word" in output
@@ -75,6 +75,7 @@ def test_a_run_streams_every_panel_and_exports_a_replayable_trace(client):
     retrieval = json.loads(retrieval["plot"])
     steps = [e.step for e in runs["specextend"] if type(e).__name__ == "Retrieved"]
     assert retrieval["data"][1]["y"] == steps
+    assert "Reaching back" in far and "accepted per step" in far  # the chunks CMR reached back for, listed
     acceptance = json.loads(acceptance["plot"])
     assert len(acceptance["data"][0]["x"]) == sum(type(e).__name__ == "Verified" for e in runs["specextend"])
     curves = [d for d in json.loads(throughput["plot"])["data"] if d["type"] == "scatter"]
@@ -230,13 +231,14 @@ def test_traces_round_trip_and_plain_engine_traces_replay():
 
 
 def test_needle_tab_runs_cmr_and_streaming_on_a_planted_fact(client):
-    status, info, grid, answers, cmr, streaming = client.predict(
+    status, info, grid, answers, heads, cmr, paper, streaming = client.predict(
         "hamlet_opening", 4000, 50, 0, 8, 12, BUNDLED, api_name="/needle")
     assert "Done." in status and "Needle" in info and "Question" in info
     heat = json.loads(grid["plot"])["data"][0]
-    assert heat["y"] == ["SpecExtend", "StreamingLLM draft cache"] and len(heat["x"]) >= 2
-    assert "Expected answer" in answers and answers.count("<tr>") == 3
-    for panel in (cmr, streaming):
+    assert heat["y"] == ["CMR, default signal", "CMR, paper signal", "StreamingLLM draft cache"] and len(heat["x"]) >= 2
+    assert "Expected answer" in answers and answers.count("<tr>") == 4
+    assert "attention" in json.loads(heads["plot"])["layout"]["annotations"][0]["text"]  # the fake engine has none
+    for panel in (cmr, paper, streaming):
         assert any(a["text"].endswith("needle") for a in json.loads(panel["plot"])["layout"]["annotations"])
 
 

@@ -27,8 +27,8 @@ def test_knobs_reach_the_config():
     assert config_from(args(), eos=()).draft_cache == "cmr"
     assert config_from(args(), eos=()).retrieval.signal == "default"
     assert config_from(args("--signal", "paper"), eos=()).retrieval.signal == "paper"
-    own = config_from(args("--signal-layers", "3,-2", "--signal-rows", "16", "--signal-reserve", "4"), eos=()).retrieval
-    assert (own.signal.layers, own.signal.rows, own.signal.combine, own.signal.reserve) == ((3, -2), 16, "mean", 4)
+    own = config_from(args("--signal-layers", "3,-2", "--signal-rows", "16", "--signal-reserve", "0.25"), eos=()).retrieval
+    assert (own.signal.layers, own.signal.rows, own.signal.combine, own.signal.reserve) == ((3, -2), 16, "mean", 0.25)
     assert config_from(args("--signal-layers", "all", "--signal-combine", "max"), eos=()).retrieval.signal.layers == ()
 
 
@@ -36,7 +36,7 @@ def test_knobs_reach_the_config():
                                           (["--k", "0"], "k must"), (["--temperature", "-1"], "temperature"),
                                           (["--working-cache", "8"], "smaller than one chunk"),
                                           (["--node-budget", "0"], "node_budget"),
-                                          (["--signal-rows", "0"], "rows"), (["--signal-reserve", "0"], "reserve"),
+                                          (["--signal-rows", "0"], "rows"), (["--signal-reserve", "1.5"], "reserve"),
                                           (["--signal-layers", "middle"], "signal-layers")])
 def test_nonsense_knobs_are_refused(bad, message):
     with pytest.raises(ValueError, match=message):

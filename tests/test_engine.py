@@ -274,8 +274,8 @@ def test_adaptive_retrieval_is_lossless_and_off_the_fixed_schedule(llama_pair, r
     assert retrieved[0] == 0 and all(steps[s] < 4 or s >= 4 for s in retrieved[1:])
 
 
-SIGNALS = [PAPER, UNCALIBRATED, RetrievalSignal("custom", heads=((0, 1), (2, 3), (2, 0)), rows=5, combine="max", reserve=2),
-           RetrievalSignal("middle", layers=(1,), rows=64, reserve=3)]
+SIGNALS = [PAPER, UNCALIBRATED, RetrievalSignal("custom", heads=((0, 1), (2, 3), (2, 0)), rows=5, combine="max", reserve=0.5),
+           RetrievalSignal("middle", layers=(1,), rows=64, reserve=0.9)]
 
 
 @pytest.mark.parametrize("sig", SIGNALS, ids=[s.name for s in SIGNALS])
@@ -288,13 +288,13 @@ def test_greedy_equals_target_under_every_retrieval_signal(llama_pair, refs, sig
         assert output(trace) == refs(prompt), (sig, retrieval)
         retrieved = [e for e in trace if isinstance(e, ev.Retrieved)]
         assert retrieved and all(e.signal == sig.name for e in retrieved)
-        assert all(e.reserved == sig.reserve for e in retrieved)
+        assert all(e.reserved == sig.reserved(retrieval.top_k) for e in retrieved)
         started = trace[0].config["retrieval"]["signal"]
         assert started["name"] == sig.name and started["rows"] == sig.rows  # the trace records the resolved signal
 
 
 def test_default_signal_resolves_to_the_pairs_calibration(llama_pair):
-    calibrated = RetrievalSignal("calibrated", heads=((1, 2),), rows=3, reserve=2)
+    calibrated = RetrievalSignal("calibrated", heads=((1, 2),), rows=3, reserve=0.5)
     pair = dataclasses.replace(llama_pair, calibrated=calibrated)
     retrieval = RetrievalConfig(chunk_size=16, top_k=4, prefill_window=32)
     names = {}

@@ -22,13 +22,20 @@ Q_HEADS, KV_HEADS, DIM = 6, 2, 16
 
 def test_signal_config_checks():
     assert PAPER.name == "paper" and PAPER.layers == (-1,) and PAPER.rows == 1 and PAPER.combine == "mean"
-    for bad in (dict(rows=0), dict(combine="median"), dict(reserve=0), dict(heads=((1, -1),))):
+    for bad in (dict(rows=0), dict(combine="median"), dict(reserve=-0.1), dict(reserve=1.0), dict(reserve=float("nan")),
+                dict(heads=((1, -1),))):
         with pytest.raises(ValueError):
             RetrievalSignal(**bad)
     with pytest.raises(ValueError, match="signal"):
         RetrievalConfig(signal="loudest")
     with pytest.raises(ValueError, match="resolved"):
         make_policy("cmr", RetrievalConfig())  # a name must be resolved for a pair first
+
+
+def test_reserve_is_a_share_of_the_working_cache_and_at_least_the_newest_chunk():
+    assert PAPER.reserved(32) == 1 and PAPER.reserved(2) == 1
+    assert RetrievalSignal(reserve=0.25).reserved(32) == 8 and RetrievalSignal(reserve=0.25).reserved(8) == 2
+    assert RetrievalSignal(reserve=0.25).reserved(2) == 1
 
 
 def test_head_sets_count_layers_from_the_end_and_refuse_what_the_target_lacks():
@@ -110,7 +117,7 @@ def test_target_window_holds_the_queries_of_the_rows_it_read():
 
 
 def test_resolve_names_and_the_calibration_file(tmp_path):
-    calibrated = RetrievalSignal("calibrated", layers=(), heads=((1, 0), (0, 1)), rows=4, reserve=2)
+    calibrated = RetrievalSignal("calibrated", layers=(), heads=((1, 0), (0, 1)), rows=4, reserve=0.25)
     assert resolve("paper", calibrated) == PAPER
     assert resolve("default", calibrated) == calibrated and resolve("calibrated", calibrated) == calibrated
     assert resolve("default", None) == UNCALIBRATED

@@ -15,10 +15,12 @@ from specextend.config import DraftConfig, RetrievalConfig, preset
 from specextend.events import Drafted, Retrieved, Verified
 from specextend.metrics import new_tokens
 from visualizers import (
-    acceptance_spec, answer_html, exactness_html, first_divergence, held_share, kept_chunks, needle_spec,
+    acceptance_spec, answer_html, exactness_html, far_chunks, far_html, first_divergence, heads_spec, held_share,
+    kept_chunks, needle_spec,
     output_html, retrieval_spec, segments, throughput_html, throughput_spec, to_figure,
 )
 from visualizers.acceptance import ACCEPTED, BONUS, REJECTED, step_cells, tree_layout
+from visualizers.retrieval import FAR
 
 from fixtures.fake_engine import fake_generate
 
@@ -64,18 +66,44 @@ def test_retrieval_heatmap_has_a_row_per_retrieval_and_outlines_the_working_cach
     events = trace()
     retrievals = [e for e in events if isinstance(e, Retrieved)]
     spec = retrieval_spec(events, decode)
-    strip, heat, said = spec["data"]
+    strip, heat, said, bought = spec["data"]
     assert heat["y"] == [r.step for r in retrievals]
     assert retrievals[0].step == 0 and all(r.step % 3 == 0 for r in retrievals)
     latest = retrievals[-1]
     assert len(strip["z"][0]) == len(latest.chunk_spans)
     for row, r in zip(heat["z"], retrievals):
-        assert [i for i, v in enumerate(row) if v == 1.0] == list(r.selected)
+        assert [i for i, v in enumerate(row) if v is not None and v >= 1.0] == list(r.selected)
+        n = len(r.chunk_spans)  # green (2): kept, but neither the sink nor among the newest len(kept) - 1 chunks
+        assert [i for i, v in enumerate(row) if v == 2.0] == [i for i in r.selected if 0 < i < n - len(r.selected) + 1]
+        assert far_chunks(r) == tuple(i for i, v in enumerate(row) if v == 2.0)
+    assert any(far_chunks(r) for r in retrievals)  # the fake signal follows the output a third into the prompt
     outlined = {c for shape in spec["layout"]["shapes"] if shape["type"] == "rect"
                 for c in range(int(shape["x0"] + 0.5), int(shape["x1"] + 0.5))}
     assert outlined == set(latest.selected)
+    green = {c for shape in spec["layout"]["shapes"] if shape["type"] == "rect" and shape["line"]["color"] == FAR
+             for c in range(int(shape["x0"] + 0.5), int(shape["x1"] + 0.5))}
+    assert green == set(far_chunks(latest))
+    # what each retrieval bought: draft tokens accepted per step until the next retrieval, at the right of its row
+    verified = [e for e in events if isinstance(e, Verified)]
+    for text, r, nxt in zip(bought["text"], retrievals, [*retrievals[1:], None]):
+        served = [v.num_accepted for v in verified if r.step < v.step <= (nxt.step if nxt else 10**9)]
+        assert text == (f"{sum(served) / len(served):.1f}" if served else "")
+    assert bought["y"] == heat["y"]
     assert "chunk 0" in strip["text"][0][0] and "w100" in strip["text"][0][0]  # hover shows the chunk's text
     assert said["y"] == heat["y"] and said["hovertext"][-1].startswith(f"output after step {latest.step}")
+
+
+def test_far_html_lists_the_chunks_that_reach_back_with_their_text():
+    events = trace()
+    latest = [e for e in events if isinstance(e, Retrieved)][-1]
+    page = far_html(events, decode)
+    far = far_chunks(latest)
+    assert f"{len(far)} chunk(s)" in page
+    best = max(far, key=lambda i: latest.scores[i])
+    s, e = latest.chunk_spans[best]
+    assert f"<b>chunk {best}</b>" in page and decode((PROMPT + [0] * 100)[s:s + 2]).strip() in page
+    assert "after retrievals that reached back" in page
+    assert far_html(trace("streaming"), decode) == "" and far_html(trace("speculative"), decode) == ""
 
 
 def test_streaming_window_is_drawn_from_kept_spans():
@@ -159,16 +187,32 @@ def test_exactness_reports_the_first_divergence():
 
 
 def test_needle_grid_shows_which_cache_held_the_needle():
-    runs = {"specextend": trace(), "streaming": trace("streaming")}
+    paper = RetrievalConfig(chunk_size=32, top_k=6, retrieve_every=3, signal="paper")
+    runs = {"specextend": trace(), "specextend_paper": trace(retrieval=paper), "streaming": trace("streaming")}
     cmr = [e for e in runs["specextend"] if isinstance(e, Retrieved)][-1]
     span = cmr.chunk_spans[cmr.selected[1]]  # a retrieved chunk away from the sink
     assert held_share(cmr, span) == 1.0 and held_share(cmr, (span[0], span[0])) == 0.0
     spec = needle_spec(runs, span, len(PROMPT))
     heat = spec["data"][0]
-    assert heat["y"] == ["SpecExtend", "StreamingLLM draft cache"]
+    assert heat["y"] == ["CMR, default signal", "CMR, paper signal", "StreamingLLM draft cache"]  # rows by signal
     to_figure(spec)
-    answers = answer_html(runs, decode, "w500")
-    assert answers.count("<tr>") == 3
+    answers = answer_html(runs, decode, "w500", span)
+    assert answers.count("<tr>") == 4
+    first = [e for e in runs["specextend"] if isinstance(e, Retrieved)][0]
+    assert f"<td>{held_share(first, span):.0%}</td>" in answers  # what the first retrieval held
+
+
+def test_heads_picture_outlines_each_signals_heads():
+    share = [[0.01, 0.02, 0.03], [0.20, 0.01, 0.05], [0.02, 0.02, 0.01]]
+    spec = heads_spec(share, {"calibrated signal": [(1, 0), (1, 2)], "paper's signal": [(2, 0), (2, 1), (2, 2)]}, 32)
+    to_figure(spec)
+    heat = spec["data"][0]
+    assert heat["z"] == share and heat["zmax"] == 0.20
+    boxes = [(s["y0"] + 0.45, s["x0"] + 0.45, s["line"]["color"]) for s in spec["layout"]["shapes"]]
+    assert [(round(y), round(x)) for y, x, _ in boxes] == [(1, 0), (1, 2), (2, 0), (2, 1), (2, 2)]
+    assert len({c for *_, c in boxes[:2]} | {c for *_, c in boxes[2:]}) == 2  # one colour per signal
+    assert "calibrated signal" in spec["layout"]["title"]["text"]
+    assert "not available" in heads_spec((), {}, 0)["layout"]["annotations"][0]["text"]
 
 
 def test_visualizers_import_no_gradio():
@@ -234,7 +278,7 @@ def test_retrieval_strip_shows_where_copies_came_from(lookup_traces):
 
     events = lookup_traces["specextend"]
     spec = retrieval_spec(events, decode)
-    strip, heat, said, copied = spec["data"]
+    strip, heat, said, _, copied = spec["data"]  # the fourth: what each retrieval bought
     size = [e for e in events if isinstance(e, Retrieved)][-1].chunk_size
     found = copies(events)
     sources = {p // size for _, origins in found for p in origins if p // size < len(strip["z"][0])}

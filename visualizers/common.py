@@ -33,6 +33,7 @@ METHOD_COLORS = {
     "autoregressive": "#6c757d",
     "streaming": "#9b5de5",
     "lookup": "#b5179e",
+    "specextend_paper": "#8ecae6",
 }
 METHOD_LABELS = {
     "specextend": "SpecExtend",
@@ -40,6 +41,7 @@ METHOD_LABELS = {
     "autoregressive": "target alone",
     "streaming": "StreamingLLM draft cache",
     "lookup": "lookup drafting alone",
+    "specextend_paper": "SpecExtend, the paper's retrieval signal",
 }
 FONT = {"family": "Inter, system-ui, sans-serif", "size": 12, "color": "#1f2933"}
 

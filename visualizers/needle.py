@@ -1,8 +1,11 @@
-"""Teaching panel for needle-in-a-haystack: does the draft's cache hold the needle, step by step?
+"""Teaching panels for needle-in-a-haystack: does the draft's cache hold the needle, step by step, and where
+in the target do the heads that find it sit?
 
-One row per run (CMR's working cache, a StreamingLLM window), one column per retrieval; a cell is
-the share of the needle's tokens the cache held after that step. Plus a verdict on each answer.
-Knows events and token spans; no gradio, no models.
+`needle_spec`: one row per run (CMR's working cache under each retrieval signal, a StreamingLLM window), one
+column per retrieval; a cell is the share of the needle's tokens the cache held after that step.
+`heads_spec`: the layer x head picture, each head's share of attention on the needle, with the heads each
+signal scores with outlined. `answer_html`: each run's answer and what its cache held.
+Knows events, token spans and numbers; no gradio, no models.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import html
 from typing import Mapping, Sequence
 
-from specextend.events import Event, Retrieved
+from specextend.events import Event, Retrieved, Started
 from specextend.metrics import new_tokens, summarize
 
 from .common import STATUS_COLORS, Decode, Spec, base_layout, label, message_spec, of, stop_reason, title
@@ -25,6 +28,42 @@ def held_share(r: Retrieved, span: tuple[int, int]) -> float:
     return min(1.0, inside / (end - start))
 
 
+def run_label(method: str, retrievals: Sequence[Retrieved]) -> str:
+    """A needle run's name: CMR runs by their retrieval signal, the others by method."""
+    signal = next((r.signal for r in retrievals if r.signal), "")
+    return f"CMR, {signal} signal" if signal else label(method)
+
+
+def heads_spec(share: Sequence[Sequence[float]], signals: Mapping[str, Sequence[tuple[int, int]]], rows: int) -> Spec:
+    """Layers down, heads across: the share of each head's attention (its last `rows` query rows averaged) on the
+    needle's tokens. The heads each signal scores with are outlined, one colour per signal."""
+    if not share:
+        return message_spec("the layer x head picture needs the real model's attention (not available here)")
+    layers, heads = len(share), len(share[0])
+    best = max(max(row) for row in share) or 1.0
+    heat = {"type": "heatmap", "z": [list(row) for row in share], "x": list(range(heads)), "y": list(range(layers)),
+            "zmin": 0.0, "zmax": best, "colorscale": "YlOrRd", "colorbar": {"title": {"text": "share"}, "thickness": 10},
+            "hovertemplate": "layer %{y}, head %{x}: %{z:.1%} of its attention on the needle<extra></extra>"}
+    colours = ("#1d3557", "#2a9d8f", "#9b5de5")
+    shapes, legend = [], []
+    for (name, pairs), colour in zip(signals.items(), colours):
+        if len(pairs) == layers * heads:  # a signal of every head: nothing to single out
+            legend.append(f"{html.escape(name)}: every head")
+            continue
+        for layer, head in pairs:
+            shapes.append({"type": "rect", "x0": head - 0.45, "x1": head + 0.45, "y0": layer - 0.45, "y1": layer + 0.45,
+                           "line": {"color": colour, "width": 2}, "fillcolor": "rgba(0,0,0,0)"})
+        legend.append(f"<span style='color:{colour}'>▢ {html.escape(name)}</span>")
+    layout = base_layout(
+        max(260, 14 * layers + 120),
+        title=title(f"Where the target looks for the needle: each head's share of attention on it (last {rows} "
+                    f"prompt rows)<br><span style='font-size:12px'>outlined: the heads each signal reads · "
+                    + " · ".join(legend) + "</span>"),
+        xaxis={"title": {"text": "head"}, "dtick": 1}, yaxis={"title": {"text": "layer"}, "autorange": "reversed"},
+        margin={"l": 48, "r": 16, "t": 64, "b": 40}, shapes=shapes)
+    return {"data": [heat], "layout": layout}
+
+
 def needle_spec(runs: Mapping[str, Sequence[Event]], needle_span: tuple[int, int], prompt_len: int) -> Spec:
     """Rows per run, columns per step with a retrieval (of either run): how much of the needle the draft's
     cache held after that step (a run that did not retrieve then still holds its previous selection)."""
@@ -37,7 +76,7 @@ def needle_spec(runs: Mapping[str, Sequence[Event]], needle_span: tuple[int, int
     for method, rs in rows.items():
         # after each step the cache holds what its latest retrieval at or before that step chose
         shares = [next((held_share(r, needle_span) for r in reversed(rs) if r.step <= s), None) for s in steps]
-        names.append(label(method))
+        names.append(run_label(method, rs))
         z.append(shares)
         text.append(["" if v is None else ("holds the needle" if v >= 1.0 else f"holds {v:.0%} of the needle")
                      for v in shares])
@@ -59,21 +98,52 @@ def needle_spec(runs: Mapping[str, Sequence[Event]], needle_span: tuple[int, int
     return {"data": [heat], "layout": layout}
 
 
-def answer_html(runs: Mapping[str, Sequence[Event]], decode: Decode, expected: str) -> str:
-    """Each run's answer, whether it contains the expected fact (case-insensitive), and how well its draft kept up."""
+def answer_html(runs: Mapping[str, Sequence[Event]], decode: Decode, expected: str,
+                needle_span: tuple[int, int] | None = None) -> str:
+    """Each run's answer, whether it contains the expected fact (case-insensitive), how much of the needle its
+    cache held after the first retrieval, and how well its draft kept up."""
     rows = []
     for method, events in runs.items():
         if not events:
             continue
         answer = decode(new_tokens(events)).strip()
         s = summarize(events)
+        retrievals = of(events, Retrieved)
         right = bool(expected) and expected.lower() in answer.lower()
         mark = "✔ right" if right else ("…" if stop_reason(events) == "running" else "✘ does not contain it")
-        rows.append(f"<tr><td>{html.escape(label(method))}</td><td>{html.escape(answer) or '…'}</td>"
-                    f"<td class='{'se-ok' if right else 'se-bad'}'>{mark}</td><td>{s.mean_accepted:.2f}</td>"
+        first = "–" if needle_span is None or not retrievals else f"{held_share(retrievals[0], needle_span):.0%}"
+        rows.append(f"<tr><td>{html.escape(run_label(method, retrievals))}</td><td>{html.escape(answer) or '…'}</td>"
+                    f"<td class='{'se-ok' if right else 'se-bad'}'>{mark}</td><td>{first}</td><td>{s.mean_accepted:.2f}</td>"
                     f"<td>{s.decode_tokens_per_s:.1f}</td></tr>")
-    return (f"<p>Expected answer: <b>{html.escape(expected)}</b>. Greedy speculative decoding is exact, so both runs "
-            "write the target's own answer; what the draft's cache changes is how many of its guesses the target "
+    return (f"<p>Expected answer: <b>{html.escape(expected)}</b>. Greedy speculative decoding is exact, so every run "
+            "writes the target's own answer; what the draft's cache changes is how many of its guesses the target "
             "accepts, and so the speed.</p><table class='se-table'><thead><tr><th>draft cache</th><th>answer</th>"
-            "<th></th><th>tokens per step</th><th>decode tokens/s</th></tr></thead>"
-            f"<tbody>{''.join(rows)}</tbody></table>")
+            "<th></th><th>needle held after the first retrieval</th><th>tokens per step</th><th>decode tokens/s</th>"
+            f"</tr></thead><tbody>{''.join(rows)}</tbody></table>")
+
+
+def describe_signal(signal: Mapping) -> str:
+    """A retrieval signal (as a trace records it) in words."""
+    if signal.get("heads"):
+        layers = sorted({layer for layer, _ in signal["heads"]})
+        heads = f"{len(signal['heads'])} heads in layers {', '.join(map(str, layers))}"
+    elif signal.get("layers"):
+        heads = "every head of layer" + ("s " if len(signal["layers"]) > 1 else " ") + ", ".join(
+            "final" if x == -1 else str(x) for x in signal["layers"])
+    else:
+        heads = "every head of every layer"
+    rows = "the last token's row" if signal["rows"] == 1 else f"the rows of the last {signal['rows']} tokens read"
+    how = "averaged" if signal["combine"] == "mean" else "each chunk by its best head"
+    reserve = "only the newest chunk" if not signal["reserve"] else f"{signal['reserve']:.0%} of the cache"
+    return f"{heads}, {rows}, {how}; kept for the newest text: {reserve}"
+
+
+def signal_html(runs: Mapping[str, Sequence[Event]]) -> str:
+    """What each CMR run's retrieval signal reads, from the config its trace recorded."""
+    items = []
+    for events in runs.values():
+        started = of(events, Started)
+        signal = started[0].config.get("retrieval", {}).get("signal") if started else None
+        if isinstance(signal, Mapping) and started[0].config.get("method") == "specextend":
+            items.append(f"<li><b>{html.escape(signal['name'])} signal</b>: {html.escape(describe_signal(signal))}</li>")
+    return f"<ul class='se-muted'>{''.join(items)}</ul>" if items else ""

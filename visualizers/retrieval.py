@@ -1,10 +1,12 @@
 """Retrieval panel: which chunks of the document the draft's working cache holds, and how that moves.
 
-Top: the document as a strip of chunks coloured by the target's latest final-layer attention score
-(square root, so the long tail shows), the chunks in the working cache outlined; hovering a chunk shows
-its text. Bottom: one row per retrieval, one column per chunk, filled where the chunk was in the working
-cache, with a mark per row whose hover reads the output so far. A StreamingLLM run (no scores) shows
-the chunks its sink + recent window covers. Where a lookup's copies were accepted, a second strip row
+Top: the document as a strip of chunks coloured by the retrieval signal's latest score (square root, so
+the long tail shows), the chunks in the working cache outlined; chunks that reach back (kept, yet outside
+a recency window of the same size) get a green outline. Hovering a chunk shows its text. Bottom: one row
+per retrieval, one column per chunk, navy where the chunk was in the working cache, green where it
+reached back, with a mark per row whose hover reads the output so far and, at the right, the draft tokens
+the target accepted per step while that working cache served. A StreamingLLM run (no scores) shows the
+chunks its sink + recent window covers. `far_html` lists the reaching-back chunks with their text. Where a lookup's copies were accepted, a second strip row
 (violet) shows the chunks they were copied from, the latest outlined: CMR choosing what the draft reads
 beside lookup copying what the document already says; lookup drafting alone gets that row and one row per
 copying step below it. Knows events; no gradio, no models.
@@ -18,7 +20,7 @@ from functools import lru_cache
 from typing import Sequence
 
 from specextend.events import Event, Prefilled, Retrieved, Verified
-from specextend.metrics import copies, new_tokens
+from specextend.metrics import copies, new_tokens, retrieval_yield
 
 from .common import STATUS_COLORS, Decode, Spec, base_layout, hover_text, message_spec, method_of, of, prompt_ids, title
 
@@ -26,6 +28,7 @@ MAX_COLUMNS = 400  # more chunks than this are binned so a redraw stays small
 MAX_ROWS = 240  # the most recent retrievals drawn in the heatmap
 SELECTED = "#1d3557"
 OUTLINE = "#e63946"
+FAR = "#2a9d8f"  # kept chunks a recency window of the same size would not hold
 
 
 def chunk_grid(r: Retrieved) -> tuple[tuple[int, int], ...]:
@@ -55,12 +58,21 @@ def _runs(ids: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
+def far_chunks(r: Retrieved) -> tuple[int, ...]:
+    """Kept chunks that reach back: neither the sink chunk nor among the newest len(kept) - 1 chunks, so a recency
+    window of the same size (sink + newest) would not hold them."""
+    kept = kept_chunks(r)
+    n = len(chunk_grid(r))
+    return tuple(i for i in kept if 0 < i < n - (len(kept) - 1))
+
+
 @lru_cache(maxsize=4096)
 def _held_row(r: Retrieved, n: int, width: int) -> tuple[int | None, ...]:
-    """One heatmap row: 1 for chunks in the working cache, 0 for the others, None past the sequence then."""
-    held = set(kept_chunks(r))
+    """One heatmap row: 2 for chunks that reach back, 1 for the other chunks in the working cache, 0 for the rest,
+    None past the sequence then."""
+    held, far = set(kept_chunks(r)), set(far_chunks(r))
     size = len(chunk_grid(r))
-    return tuple(_binned([(1 if i in held else 0) if i < size else None for i in range(n)], width))
+    return tuple(_binned([(2 if i in far else 1 if i in held else 0) if i < size else None for i in range(n)], width))
 
 
 def _output_until(events: Sequence[Event], step: int) -> list[int]:
@@ -153,7 +165,7 @@ def lookup_spec(events: Sequence[Event], decode: Decode, chunk_size: int = 32) -
 
 def _layout(events: Sequence[Event], headline: str, n: int, width: int, columns: list[int], n_rows: int,
             chunk_size: int, row_ticks: list[int], shapes: list[dict], annotations: list[dict], rows_title: str,
-            strip_rows: tuple[int, ...], height: int | None = None) -> dict:
+            strip_rows: tuple[int, ...], height: int | None = None, right: float = 0.5) -> dict:
     """The panel's layout: the strip rows (0: CMR's chunks, 1: lookup's copies) over the history heatmap."""
     prompt_len = len(prompt_ids(events))
     seq_len = prompt_len + len(new_tokens(events))
@@ -175,7 +187,7 @@ def _layout(events: Sequence[Event], headline: str, n: int, width: int, columns:
         title=title(headline),
         margin={"l": 56, "r": 16, "t": 60, "b": 40},
         xaxis={"title": {"text": "chunk of the document (then of the output)"},
-               "range": [-2.2 * width, columns[-1] + width / 2], "anchor": "y2", "zeroline": False, "showgrid": False},
+               "range": [-2.2 * width, columns[-1] + right * width], "anchor": "y2", "zeroline": False, "showgrid": False},
         yaxis={"domain": [1 - strip_share, 1.0], "visible": False, "range": [min(strip_rows) - 0.5, max(strip_rows) + 0.5],
                "fixedrange": True},
         yaxis2={"domain": [0.0, 1 - strip_share - 0.08], "title": {"text": rows_title}, "autorange": "reversed",
@@ -219,11 +231,13 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
     scores: list[float | None] = list(latest.scores) if latest.scores else [None] * n
     top = max((s for s in scores if s is not None), default=0.0) or 1.0
     kept = set(kept_chunks(latest))
+    far = set(far_chunks(latest))
     texts = []
     for i, (s, e) in enumerate(grid):
         where = "output" if s >= prompt_len else "document"
         score = "" if scores[i] is None else f" · score {scores[i]:.4f}"
         held = " · <b>in working cache</b>" if i in kept else ""
+        held += " · <b>reaches back</b> (a recency window would not hold it)" if i in far else ""
         texts.append(f"chunk {i} ({where} tokens {s}–{e}){score}{held}<br>{hover_text(decode(sequence[s:e]))}")
 
     strip_z = [None if s is None else math.sqrt(max(s, 0.0) / top) for s in scores]  # sqrt: attention is heavy-tailed
@@ -252,13 +266,13 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
         "x": columns,
         "y": [r.step for r in shown],
         "z": rows,
-        "colorscale": [[0.0, "#e9eef3"], [1.0, SELECTED]],
+        "colorscale": [[0.0, "#e9eef3"], [0.5, SELECTED], [1.0, FAR]],
         "zmin": 0.0,
-        "zmax": 1.0,
+        "zmax": 2.0,
         "showscale": False,
         "xgap": 1 if n <= 120 else 0,
         "ygap": 1 if len(shown) <= 60 else 0,
-        "hovertemplate": "after step %{y}, chunk %{x}: %{z:.0f} (1 = in working cache)<extra></extra>",
+        "hovertemplate": "after step %{y}, chunk %{x}: %{z:.0f} (1 = in working cache, 2 = reached back)<extra></extra>",
         "yaxis": "y2",
     }
     said = {  # a mark left of each row: hover it to read what the output said by then
@@ -268,14 +282,33 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
                       for r in shown],
         "hoverinfo": "text",
     }
-    data = [strip, heat, said]
+    bought = dict(retrieval_yield(events))
+    right, data = 0.5, []
+    if latest.scores:  # what each retrieval bought: draft tokens accepted per step while its working cache served
+        right = 3.5
+        data.append({"type": "scatter", "mode": "text", "x": [columns[-1] + 2.2 * width] * len(shown),
+                     "y": [r.step for r in shown], "yaxis": "y2", "cliponaxis": False, "showlegend": False,
+                     "text": ["" if bought.get(r.step) is None else f"{bought[r.step]:.1f}" for r in shown],
+                     "textfont": {"size": 10, "color": "#52606d"}, "hoverinfo": "text",
+                     "hovertext": [f"after the retrieval at step {r.step}: the target accepted "
+                                   + ("…" if bought.get(r.step) is None else f"{bought[r.step]:.2f}")
+                                   + " draft tokens per step" for r in shown]})
+    data = [strip, heat, said, *data]
 
     shapes = [
         {"type": "rect", "xref": "x", "yref": "y", "x0": a - 0.5, "x1": b + 0.5, "y0": -0.5, "y1": 0.5,
          "line": {"color": OUTLINE, "width": 2}, "fillcolor": "rgba(0,0,0,0)"}
         for a, b in _runs([c // width * width for c in kept])
+    ] + [
+        {"type": "rect", "xref": "x", "yref": "y", "x0": a - 0.5, "x1": b + 0.5, "y0": -0.62, "y1": 0.62,
+         "line": {"color": FAR, "width": 3}, "fillcolor": "rgba(0,0,0,0)"}
+        for a, b in _runs([c // width * width for c in far])
     ]
     annotations = []
+    if latest.scores:
+        annotations.append({"text": "accepted<br>per step", "xref": "x", "yref": "paper", "x": columns[-1] + 2.2 * width,
+                            "y": 1 - 44 / 300, "yanchor": "bottom", "showarrow": False, "font": {"size": 9,
+                                                                                                   "color": "#52606d"}})
     if mark is not None:
         name, (a, b) = mark
         size = max(latest.chunk_size, 1)
@@ -289,9 +322,10 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
         best = max(range(n), key=lambda i: latest.scores[i] if i < len(latest.scores) else -1.0)
         s, e = grid[best]
         snippet = hover_text(decode(sequence[s:e]), width=1000, limit=60 if height else 90)
-        headline = (f"Retrieval after step {latest.step}: {len(kept)} of {n} chunks in the draft's working cache "
-                    f"({latest.working_cache_len} tokens)<br><span style='font-size:12px'>the target attends "
-                    f"most to chunk {best}: “{snippet}”</span>")
+        signal = f" ({latest.signal} signal)" if latest.signal else ""
+        headline = (f"Retrieval after step {latest.step}{signal}: {len(kept)} of {n} chunks in the draft's working cache "
+                    f"({latest.working_cache_len} tokens), <span style='color:{FAR}'>{len(far)} reaching back</span>"
+                    f"<br><span style='font-size:12px'>the signal scores chunk {best} highest: “{snippet}”</span>")
     else:
         headline = (f"StreamingLLM window after step {latest.step}: {latest.working_cache_len} tokens "
                     f"({len(kept)} of {n} chunks)<br><span style='font-size:12px'>the attention sink plus the "
@@ -311,7 +345,33 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
         strip_rows = (0, 1)
     layout = _layout(events, headline, n, width, columns, len(shown), latest.chunk_size, [r.step for r in shown], shapes,
                      annotations, rows_title="retrieval after step", strip_rows=strip_rows,
-                     height=height and height + 44 * (len(strip_rows) - 1))
+                     height=height and height + 44 * (len(strip_rows) - 1), right=right)
     if len(strip_rows) > 1:
         layout["margin"]["t"] = 76
     return {"data": data, "layout": layout}
+
+
+def far_html(events: Sequence[Event], decode: Decode, limit: int = 6) -> str:
+    """The chunks the latest CMR retrieval reached back for (best scored first, with their text), and what the
+    retrievals that reached back bought against those that did not."""
+    retrievals = [r for r in of(events, Retrieved) if r.scores]
+    if not retrievals:
+        return ""
+    latest = retrievals[-1]
+    grid = chunk_grid(latest)
+    sequence = list(prompt_ids(events)) + new_tokens(events)
+    far = sorted(far_chunks(latest), key=lambda i: -latest.scores[i])
+    bought = dict(retrieval_yield(events))
+    reached = [bought[r.step] for r in retrievals if far_chunks(r) and bought.get(r.step) is not None]
+    stayed = [bought[r.step] for r in retrievals if not far_chunks(r) and bought.get(r.step) is not None]
+    mean = lambda xs: f"{sum(xs) / len(xs):.2f}" if xs else "–"  # noqa: E731
+    lines = [f"<li><b>chunk {i}</b> (tokens {grid[i][0]:,}–{grid[i][1]:,}, score {latest.scores[i]:.4f}): "
+             f"“{html.escape(hover_text(decode(sequence[grid[i][0]:grid[i][1]]), width=10_000, limit=160))}”</li>"
+             for i in far[:limit]]
+    more = f"<li>…and {len(far) - limit} more</li>" if len(far) > limit else ""
+    head = (f"<b>Reaching back</b> after step {latest.step}: {len(far)} chunk(s) in the draft's working cache that a "
+            "recency window of the same size would not hold" if far else
+            f"<b>Reaching back</b> after step {latest.step}: none; the working cache is the sink and the newest chunks")
+    return (f"<div class='se-far'>{head}.<ul>{''.join(lines)}{more}</ul>Draft tokens the target accepted per step "
+            f"after retrievals that reached back: <b>{mean(reached)}</b> ({len(reached)} retrievals); after those that "
+            f"did not: <b>{mean(stayed)}</b> ({len(stayed)}).</div>")
