@@ -14,17 +14,19 @@ import contextlib
 import json
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .attention import full_tree_mask, hybrid_tree_attention, math_attention, prefill_attention
-from .config import AttentionConfig, DraftConfig, LookupConfig, RetrievalConfig, preset
+from .config import AttentionConfig, DraftConfig, LookupConfig, RetrievalConfig, RetrievalSignal, preset
 from .drafting import tree_mask
 from .engine import generate
 from .metrics import summarize
 from .models import make_pair
+from .signal import PAPER, UNCALIBRATED
 
 SHAPES = {  # target, draft: (layers, hidden, heads, kv_heads, intermediate)
     "7b": ((32, 4096, 32, 8, 14336), (16, 2048, 32, 8, 8192)),
@@ -120,6 +122,13 @@ def exact_matmuls():
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
+def heads_signal(shape, n: int = 8, rows: int = 32) -> RetrievalSignal:
+    """A calibrated-shaped signal for a random-init target: n heads spread over the middle layers, `rows` rows."""
+    layers, heads = shape[0], shape[2]
+    picks = tuple((layers // 4 + (i * layers // 2) // n, (3 * i) % heads) for i in range(n))
+    return RetrievalSignal(f"{n} heads", layers=(), heads=picks, rows=rows, reserve=0.25)
+
+
 def check_lossless(device, prompt_len: int, new_tokens: int) -> dict:
     """Greedy output of every method (lookup drafting alone and added to SpecExtend too) equals the
     autoregressive target's, fp32 on the device."""
@@ -133,6 +142,9 @@ def check_lossless(device, prompt_len: int, new_tokens: int) -> dict:
             for verify in ("hybrid", "masked"):
                 config = preset(method, max_new_tokens=new_tokens, draft=DraftConfig(shape=shape), retrieval=retrieval)
                 configs[f"{method}/{shape}/{verify}"] = config.replace(attention=AttentionConfig("fused", verify))
+    for signal in (PAPER, UNCALIBRATED, heads_signal((4, 256, 8, 2, 512))):
+        configs[f"specextend/signal {signal.name}"] = preset("specextend", max_new_tokens=new_tokens,
+                                                             retrieval=replace(retrieval, signal=signal))
     configs["lookup"] = preset("lookup", max_new_tokens=new_tokens)
     configs["specextend+lookup"] = preset("specextend", max_new_tokens=new_tokens, retrieval=retrieval,
                                           lookup=LookupConfig(enabled=True))
@@ -146,10 +158,12 @@ def bench_engine(device, dtype, shapes, prompt_len: int, new_tokens: int, repeat
     pair = make_pair(llama(target_shape, 32000, dtype, device, 1), llama(draft_shape, 32000, dtype, device, 2))
     prompt = torch.randint(0, 32000, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     speculative = preset("speculative")
+    signal = lambda s: preset("specextend", retrieval=RetrievalConfig(signal=s))  # noqa: E731
     configs = [("autoregressive", preset("autoregressive")), ("speculative", speculative),
                ("speculative, eager prefill", speculative.replace(attention=AttentionConfig("eager", "masked"))),
                ("speculative, HTA", speculative.replace(attention=AttentionConfig("fused", "hybrid"))),
-               ("specextend", preset("specextend"))]
+               ("specextend, paper signal", signal(PAPER)), ("specextend, 8 heads x 32 rows", signal(heads_signal(target_shape))),
+               ("specextend, every head x 32 rows (max)", signal(UNCALIBRATED))]
     tree = DraftConfig(shape="tree", max_depth=5, node_budget=32, branch=4, children=4)
     results: dict[str, list] = {name: [] for name, _ in configs}
     for _ in range(repeats):  # methods alternate on the same input; the median of the repeats is kept
@@ -162,7 +176,9 @@ def bench_engine(device, dtype, shapes, prompt_len: int, new_tokens: int, repeat
                      "draft_prefill_s": med(lambda s: s.phase_seconds["draft_prefill"]),
                      "verify_ms_per_step": med(lambda s: 1e3 * s.phase_seconds["verification"] / max(s.steps, 1)),
                      "draft_ms_per_step": med(lambda s: 1e3 * s.phase_seconds["drafting"] / max(s.steps, 1)),
-                     "retrieval_ms_total": med(lambda s: 1e3 * s.phase_seconds["retrieval"]), "steps": runs[-1].steps})
+                     "retrieval_ms_total": med(lambda s: 1e3 * s.phase_seconds["retrieval"]),
+                     "retrieval_ms_each": med(lambda s: 1e3 * s.phase_seconds["retrieval"] / max(s.retrievals, 1)),
+                     "cmr_share": med(lambda s: s.cmr_overhead_share), "steps": runs[-1].steps})
     return rows
 
 
@@ -200,7 +216,8 @@ def main(argv=None) -> int:
         report["engine"] = bench_engine(device, dtype, SHAPES[args.shape], args.engine_prompt, 32)
         for r in report["engine"]:
             print(f"engine {r['method']:28s} prefill {r['prefill_s']:7.3f} s  verify {r['verify_ms_per_step']:8.2f} ms/step  "
-                  f"draft {r['draft_ms_per_step']:8.2f} ms/step  retrieval {r['retrieval_ms_total']:7.2f} ms")
+                  f"draft {r['draft_ms_per_step']:8.2f} ms/step  retrieval {r['retrieval_ms_total']:7.2f} ms "
+                  f"({r['retrieval_ms_each']:6.2f} each, {r['cmr_share']:.1%} of decode)")
     print(json.dumps(report))
     return 0
 
