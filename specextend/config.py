@@ -66,7 +66,8 @@ class RetrievalSignal:
     a share of top_k, at least the newest chunk, so it scales with the budget).
 
     The paper's recipe ("paper"): the final layer's heads, the row of the last accepted token, averaged, with only
-    the newest chunk reserved. A query row is a token the target has read (prompt or committed output): `rows`
+    the newest chunk reserved. `spread` lets a chunk inherit part of its neighbours' score, so a passage that
+    straddles a chunk boundary comes whole (the heads that find a fact look at its value, not at its first words). A query row is a token the target has read (prompt or committed output): `rows`
     counts back from the newest. `heads` names (layer, head) pairs; when empty every head of `layers` scores (of every
     layer when `layers` is empty too). Negative layers count from the end (-1 is the final layer).
     """
@@ -77,6 +78,7 @@ class RetrievalSignal:
     rows: int = 1
     combine: Literal["mean", "max"] = "mean"
     reserve: float = 0.0  # share of top_k kept for the newest chunks; the rest is chosen among older chunks
+    spread: float = 0.0  # a chunk scores at least this share of its neighbours' best score (0: no spreading)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
@@ -87,6 +89,8 @@ class RetrievalSignal:
             raise ValueError(f"retrieval signal combine must be 'mean' or 'max', got {self.combine!r}")
         if not 0.0 <= self.reserve < 1.0:  # also rejects NaN
             raise ValueError(f"retrieval signal reserve is a share of the working cache in [0, 1), got {self.reserve}")
+        if not 0.0 <= self.spread <= 1.0:  # also rejects NaN
+            raise ValueError(f"retrieval signal spread must be in [0, 1], got {self.spread}")
         if any(h < 0 for _, h in self.heads):
             raise ValueError(f"retrieval signal heads must be (layer, head >= 0) pairs, got {self.heads}")
 

@@ -35,6 +35,16 @@ def chunk_scores(token_scores: torch.Tensor, chunk_size: int) -> torch.Tensor:
     return sums / counts
 
 
+def spread_scores(scores: torch.Tensor, share: float) -> torch.Tensor:
+    """Each chunk scores at least `share` of its neighbours' best score: (C,) -> (C,) (share 0: unchanged)."""
+    if share == 0.0 or scores.shape[0] < 2:
+        return scores
+    neighbours = torch.zeros_like(scores)
+    neighbours[1:] = scores[:-1]
+    neighbours[:-1] = torch.maximum(neighbours[:-1], scores[1:])
+    return torch.maximum(scores, share * neighbours)
+
+
 def select_chunks(scores: torch.Tensor, top_k: int, reserve: int = 1) -> list[int]:
     """The top_k chunks by score, always including the first (attention sink) and the newest `reserve` (at most
     top_k - 1), in order: the rest of the budget goes to the best-scored older chunks."""
@@ -135,6 +145,7 @@ class CMRPolicy(DraftCachePolicy):
             raise ValueError(f"CMR needs a resolved retrieval signal, not the name {config.signal!r} (signal.resolve)")
         self.config = config
         self.reserve = config.signal.reserved(config.top_k)
+        self.spread = config.signal.spread
         self.prefill_window = config.prefill_window
 
     def due(self, step: int, working_len: int) -> bool:
@@ -143,7 +154,7 @@ class CMRPolicy(DraftCachePolicy):
     def select(self, seq_len: int, token_scores: torch.Tensor | None) -> Selection:
         size = self.config.chunk_size
         spans = chunk_spans(seq_len, size)
-        scores = chunk_scores(token_scores[:seq_len], size)
+        scores = spread_scores(chunk_scores(token_scores[:seq_len], size), self.spread)
         chosen = select_chunks(scores, self.config.top_k, self.reserve)
         return Selection(
             kept_spans=tuple(merge_spans([spans[i] for i in chosen])),

@@ -21,9 +21,10 @@ from .config import RetrievalSignal
 SIGNAL_FILE = "retrieval_signal.json"  # beside a draft: {"target": {...shape}, "signal": {...}, "calibration": {...}}
 
 PAPER = RetrievalSignal()
-# Calibration-free: every head of every layer reads the last 32 rows; a chunk scores by its best head; a quarter of
-# the working cache is reserved for the newest chunks. Measured on the bundled target in docs/RESULTS.md.
-UNCALIBRATED = RetrievalSignal("uncalibrated", layers=(), heads=(), rows=32, combine="max", reserve=0.25)
+# Calibration-free: every head of every layer reads the last 16 rows; a token scores by its best head; a chunk
+# inherits half its neighbours' score; a quarter of the working cache is kept for the newest chunks. The best
+# calibration-free candidate on the bundled target (docs/RESULTS.md, "Retrieval signal").
+UNCALIBRATED = RetrievalSignal("uncalibrated", layers=(), heads=(), rows=16, combine="max", reserve=0.25, spread=0.5)
 
 
 class QueryWindow:

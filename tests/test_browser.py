@@ -1,7 +1,9 @@
 """The app in a real browser: Debian chromium driven by Playwright. Loads the page, picks a sample
 document, runs a short race (SpecExtend, then standard speculative decoding), waits for every panel to
-draw (checked in the DOM), checks the panels against the run's exported trace, and saves screenshots
-under test-output/. Then lookup drafting alone on a task that makes the target copy: the copied stretches
+draw (checked in the DOM), checks the panels against the run's exported trace (the chunks CMR reached
+back for are drawn and listed), and saves screenshots under test-output/. The needle tab runs CMR under
+the pair's default and the paper's retrieval signal beside StreamingLLM; with the bundled pair, the
+default signal's first working cache holds the needle and the layer x head picture is drawn. Then lookup drafting alone on a task that makes the target copy: the copied stretches
 are marked in the output and the retrieval panel shows where they came from. Uses the bundled pair when the engine and the bundled draft are present, else the
 fake engine (tests/fixtures/fake_engine.py); the test id says which.
 """
@@ -80,6 +82,12 @@ def plot_data(page, elem_id: str) -> list[dict]:
         ".map(t => ({type: t.type, name: t.name, x: t.x, y: t.y}))", elem_id)
 
 
+def far_back(retrieved: dict) -> bool:
+    """Whether a recorded retrieval kept a chunk that a recency window of the same size would not hold."""
+    kept, n = retrieved["selected"], len(retrieved["chunk_spans"])
+    return any(0 < i < n - (len(kept) - 1) for i in kept)
+
+
 def pick_sample(page, chars: int) -> None:
     """Pick the first sample document, then keep its first `chars` characters (a short prefill for CI)."""
     page.get_by_role("combobox", name="Sample document").click()
@@ -122,6 +130,11 @@ def test_a_race_draws_every_panel(studio_url, browser, engine):
 
     retrieval = plot_data(page, "retrieval-plot")
     assert retrieval[1]["type"] == "heatmap" and retrieval[1]["y"] == retrieved  # a row per retrieval that ran
+    reached = [e for e in events if e["type"] == "Retrieved" and far_back(e)]
+    assert reached, "no retrieval reached back past the recent window"
+    assert "Reaching back" in page.inner_text("#far-chunks")
+    assert any(2 in (row or []) for row in page.evaluate(  # green cells: chunks a recency window would not hold
+        "document.querySelector('#retrieval-plot .js-plotly-plot').data[1].z"))
     acceptance = plot_data(page, "acceptance-plot")
     assert acceptance[0]["type"] == "heatmap" and acceptance[0]["x"] == verified  # a column per step
     curves = [t["name"] for t in plot_data(page, "throughput-plot") if t["type"] == "scatter"]
@@ -134,7 +147,7 @@ def test_a_race_draws_every_panel(studio_url, browser, engine):
 
 
 @pytest.mark.parametrize("engine", [ENGINE])
-def test_needle_teaching_tab_draws_both_caches(studio_url, browser, engine):
+def test_needle_teaching_tab_compares_two_signals_and_streaming(studio_url, browser, engine):
     url, _ = studio_url
     page = browser.new_page(viewport={"width": 1500, "height": 1100})
     page.goto(url)
@@ -145,11 +158,18 @@ def test_needle_teaching_tab_draws_both_caches(studio_url, browser, engine):
     page.wait_for_function("document.querySelector('#needle-status').innerText.includes('Done.')", timeout=900_000)
     assert "se-bad" not in page.inner_html("#needle-status"), page.inner_text("#needle-status")
     page.wait_for_function(
-        "['needle-plot', 'needle-cmr', 'needle-streaming'].every(id => "
+        "['needle-plot', 'needle-cmr', 'needle-paper', 'needle-streaming'].every(id => "
         "(document.querySelector(`#${id} .js-plotly-plot`)?._fullData || []).length > 0)", timeout=60_000)
     grid = plot_data(page, "needle-plot")[0]
-    assert grid["y"] == ["SpecExtend", "StreamingLLM draft cache"] and len(grid["x"]) > 0
-    assert page.inner_text("#needle-answers").count("\n") >= 2
+    default = "CMR, calibrated signal" if engine == "bundled" else "CMR, default signal"
+    assert grid["y"] == [default, "CMR, paper signal", "StreamingLLM draft cache"] and len(grid["x"]) > 0
+    assert page.inner_text("#needle-answers").count("\n") >= 3
+    if engine == "bundled":  # the calibrated signal's first working cache holds the whole needle
+        held = page.evaluate("document.querySelector('#needle-plot .js-plotly-plot').data[0].z")
+        assert held[0][0] == 1.0, held
+        page.wait_for_function("(document.querySelector('#needle-heads .js-plotly-plot')?._fullData || []).length > 0")
+        heads = plot_data(page, "needle-heads")[0]
+        assert heads["type"] == "heatmap" and len(heads["y"]) == 30  # the target's 30 layers
     OUT.mkdir(exist_ok=True)
     page.screenshot(path=str(OUT / f"needle-{engine}.png"), full_page=True)
     page.close()

@@ -27,6 +27,7 @@ from specextend.retrieval import (
     merge_spans,
     select_chunks,
     spans_to_positions,
+    spread_scores,
 )
 
 FAST = settings(max_examples=80, deadline=None)
@@ -80,6 +81,21 @@ def test_select_chunks_properties(scores, top_k, reserve):
     passed = [scores[c] for c in range(n) if c not in chosen and c not in forced]
     if picked and passed:
         assert max(passed) <= min(picked)  # no left-out chunk beats a chosen one
+
+
+@FAST
+@given(scores=st.lists(st.floats(0, 1), min_size=1, max_size=40), share=st.sampled_from([0.0, 0.25, 0.5, 1.0]))
+def test_spread_scores_lifts_each_chunk_to_a_share_of_its_best_neighbour(scores, share):
+    got = spread_scores(torch.tensor(scores), share).tolist()
+    for i, value in enumerate(scores):
+        neighbours = [scores[j] for j in (i - 1, i + 1) if 0 <= j < len(scores)]
+        assert got[i] == pytest.approx(max([value] + [share * n for n in neighbours]))
+
+
+def test_spread_keeps_a_passage_that_straddles_a_chunk_boundary():
+    scores = torch.tensor([0.0, 0.05, 0.1, 0.001, 0.9, 0.002, 0.2, 0.0])  # the hot chunk 4 between two cold ones
+    assert select_chunks(scores, 5) == [0, 2, 4, 6, 7]
+    assert select_chunks(spread_scores(scores, 0.5), 5) == [0, 3, 4, 5, 7]  # its neighbours inherit half its score
 
 
 def test_select_chunks_by_hand():

@@ -23,7 +23,7 @@ Q_HEADS, KV_HEADS, DIM = 6, 2, 16
 def test_signal_config_checks():
     assert PAPER.name == "paper" and PAPER.layers == (-1,) and PAPER.rows == 1 and PAPER.combine == "mean"
     for bad in (dict(rows=0), dict(combine="median"), dict(reserve=-0.1), dict(reserve=1.0), dict(reserve=float("nan")),
-                dict(heads=((1, -1),))):
+                dict(spread=1.5), dict(spread=float("nan")), dict(heads=((1, -1),))):
         with pytest.raises(ValueError):
             RetrievalSignal(**bad)
     with pytest.raises(ValueError, match="signal"):
