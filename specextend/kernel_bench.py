@@ -158,12 +158,13 @@ def bench_engine(device, dtype, shapes, prompt_len: int, new_tokens: int, repeat
     pair = make_pair(llama(target_shape, 32000, dtype, device, 1), llama(draft_shape, 32000, dtype, device, 2))
     prompt = torch.randint(0, 32000, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     speculative = preset("speculative")
-    signal = lambda s: preset("specextend", retrieval=RetrievalConfig(signal=s))  # noqa: E731
     configs = [("autoregressive", preset("autoregressive")), ("speculative", speculative),
                ("speculative, eager prefill", speculative.replace(attention=AttentionConfig("eager", "masked"))),
-               ("speculative, HTA", speculative.replace(attention=AttentionConfig("fused", "hybrid"))),
-               ("specextend, paper signal", signal(PAPER)), ("specextend, 8 heads x 32 rows", signal(heads_signal(target_shape))),
-               ("specextend, every head x 32 rows (max)", signal(UNCALIBRATED))]
+               ("speculative, HTA", speculative.replace(attention=AttentionConfig("fused", "hybrid")))]
+    for signal in (PAPER, heads_signal(target_shape), UNCALIBRATED):
+        heads = sum(map(len, signal.head_sets(target_shape[0], target_shape[2]).values()))
+        configs.append((f"specextend, {signal.name} ({heads} heads x {signal.rows} rows)",
+                        preset("specextend", retrieval=RetrievalConfig(signal=signal))))
     tree = DraftConfig(shape="tree", max_depth=5, node_budget=32, branch=4, children=4)
     results: dict[str, list] = {name: [] for name, _ in configs}
     for _ in range(repeats):  # methods alternate on the same input; the median of the repeats is kept
@@ -215,7 +216,7 @@ def main(argv=None) -> int:
     if "engine" not in skip:
         report["engine"] = bench_engine(device, dtype, SHAPES[args.shape], args.engine_prompt, 32)
         for r in report["engine"]:
-            print(f"engine {r['method']:28s} prefill {r['prefill_s']:7.3f} s  verify {r['verify_ms_per_step']:8.2f} ms/step  "
+            print(f"engine {r['method']:44s} prefill {r['prefill_s']:7.3f} s  verify {r['verify_ms_per_step']:8.2f} ms/step  "
                   f"draft {r['draft_ms_per_step']:8.2f} ms/step  retrieval {r['retrieval_ms_total']:7.2f} ms "
                   f"({r['retrieval_ms_each']:6.2f} each, {r['cmr_share']:.1%} of decode)")
     print(json.dumps(report))

@@ -59,19 +59,28 @@ def head_scores(queries: torch.Tensor, kv_of: torch.Tensor, keys: torch.Tensor, 
                 scale: float) -> torch.Tensor:
     """Attention of each scoring head over `keys`, averaged over its query rows.
 
-    queries (H_sel, W, D); kv_of (H_sel,) the KV head each query head reads; keys (1, H_kv, T, D);
-    positions (W,): row w sees keys [0, positions[w]]. Returns (H_sel, T) fp32, each row summing to 1.
+    queries (H_sel, W, D) in KV-head order; kv_of (H_sel,) the KV head each query head reads; keys (1, H_kv, T, D);
+    positions (W,): row w sees keys [0, positions[w]]. Returns (H_sel, T) fp32, each row summing to 1. The query
+    heads of each KV head are folded into one batched product (one per layer when they are equally many).
     """
-    n_keys = keys.shape[2]
+    n_keys, rows = keys.shape[2], queries.shape[1]
     hidden = torch.arange(n_keys, device=keys.device)[None, :] > positions.to(keys.device)[:, None]  # (W, T)
-    out = torch.empty(queries.shape[0], n_keys, dtype=torch.float32, device=keys.device)
-    for kv in kv_of.unique().tolist():
-        sel = (kv_of == kv).nonzero().flatten().to(queries.device)
-        q = queries.index_select(0, sel).float()  # (h, W, D)
-        logits = torch.matmul(q, keys[0, kv].float().transpose(0, 1)) * scale  # (h, W, T)
+    kvs, counts = kv_of.unique_consecutive(return_counts=True)
+    if counts.min() == counts.max():  # the same number of heads per KV head: one batched product for the layer
+        group = int(counts[0])
+        k = keys[0].index_select(0, kvs.to(keys.device)).float()  # (H_kv', T, D)
+        q = queries.float().reshape(len(kvs), group * rows, -1)  # (H_kv', G*W, D)
+        logits = torch.matmul(q, k.transpose(1, 2)).mul_(scale).view(len(kvs), group, rows, n_keys)
         logits.masked_fill_(hidden, float("-inf"))
-        out[sel.to(out.device)] = torch.softmax(logits, dim=-1).mean(dim=1)
-    return out
+        return torch.softmax(logits, dim=-1).mean(dim=2).reshape(-1, n_keys)  # (H_sel, T)
+    out, start = [], 0
+    for kv, count in zip(kvs.tolist(), counts.tolist()):
+        q = queries[start : start + count].float()  # (h, W, D)
+        logits = torch.matmul(q, keys[0, kv].float().transpose(0, 1)).mul_(scale)  # (h, W, T)
+        logits.masked_fill_(hidden, float("-inf"))
+        out.append(torch.softmax(logits, dim=-1).mean(dim=1))
+        start += count
+    return torch.cat(out)
 
 
 def combine(scores: torch.Tensor, how: str) -> torch.Tensor:

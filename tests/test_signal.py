@@ -50,15 +50,16 @@ def test_head_sets_count_layers_from_the_end_and_refuse_what_the_target_lacks():
 
 
 @settings(max_examples=40, deadline=None)
-@given(rows=st.integers(1, 5), keys=st.integers(1, 30), seed=st.integers(0, 1000))
-def test_head_scores_are_causal_row_averaged_softmaxes(rows, keys, seed):
+@given(rows=st.integers(1, 5), keys=st.integers(1, 30), seed=st.integers(0, 1000),
+       heads=st.sampled_from([(0, 2, 3, 5), (0, 1, 2, 3, 4, 5), (0, 3, 5), (4,), (1, 2)]))
+def test_head_scores_are_causal_row_averaged_softmaxes(rows, keys, seed, heads):
+    """Both paths: equally many heads per KV head (one batched product) and unequal groups (one product each)."""
     gen = torch.Generator().manual_seed(seed)
-    heads = (0, 2, 3, 5)
     q_all = torch.randn(Q_HEADS, rows, DIM, generator=gen)
     k = torch.randn(1, KV_HEADS, keys, DIM, generator=gen)
     positions = torch.randint(0, keys, (rows,), generator=gen)
     kv_of = kv_heads_of(heads, Q_HEADS, KV_HEADS)
-    assert kv_of.tolist() == [0, 0, 1, 1]
+    assert kv_of.tolist() == [h // 3 for h in heads]
     got = head_scores(q_all[list(heads)], kv_of, k, positions, DIM**-0.5)
     assert got.shape == (len(heads), keys)
     for i, h in enumerate(heads):  # by hand: one softmax per row over the keys it saw, then the mean of the rows
