@@ -228,7 +228,8 @@ class Studio:
         """Redraw the panels from the job's snapshots until it is done; unchanged panels are not resent.
 
         `draw` gives each panel's value (HTML, a figure dict that is serialised here once with orjson
-        and handed to gradio as a ready Plot payload, or None to leave it). Charts are drawn at most
+        and handed to gradio as a ready Plot payload, or None to leave it; never gr.skip(), which is a dict
+        and would be sent as a figure). Charts are drawn at most
         every `chart_every` seconds (0: on the first redraw and at the end only): in the browser they
         cost far more than text. With `export`, the last message also carries the trace download.
         """
@@ -312,7 +313,7 @@ class Studio:
         def draw(job: Job, runs, decode, charts: bool) -> list:
             prompt = job.prompt
             if prompt is None or "needle" not in prompt.marks:
-                return [info, needle_spec({}, (0, 0), 0), "", gr.skip(), gr.skip(), gr.skip(), gr.skip()]
+                return [info, needle_spec({}, (0, 0), 0), "", None, None, None, None]  # None: left as it is
             span = prompt.marks["needle"]
             grid, answers = needle_view(runs, span, len(prompt.ids), planted.answer, job.codec.text)
             answers += signal_html(runs)
