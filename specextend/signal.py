@@ -60,25 +60,30 @@ def head_scores(queries: torch.Tensor, kv_of: torch.Tensor, keys: torch.Tensor, 
     """Attention of each scoring head over `keys`, averaged over its query rows.
 
     queries (H_sel, W, D) in KV-head order; kv_of (H_sel,) the KV head each query head reads; keys (1, H_kv, T, D);
-    positions (W,): row w sees keys [0, positions[w]]. Returns (H_sel, T) fp32, each row summing to 1. The query
-    heads of each KV head are folded into one batched product (one per layer when they are equally many).
+    positions (W,) on the CPU: row w sees keys [0, positions[w]]. Returns (H_sel, T) fp32, each row summing to 1.
+    The query heads of each KV head are folded into one product (one for the layer when they are equally many);
+    only the keys after the earliest row can be hidden, so only those are masked.
     """
     n_keys, rows = keys.shape[2], queries.shape[1]
-    hidden = torch.arange(n_keys, device=keys.device)[None, :] > positions.to(keys.device)[:, None]  # (W, T)
+    first = int(positions.min()) + 1  # keys before this are visible to every row
+    hidden = torch.arange(first, n_keys)[None, :] > positions[:, None]  # (W, T - first)
+    hidden = hidden.to(keys.device)
+
+    def probs(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:  # q (B, G, W, D), k (B, T, D) -> (B, G, T)
+        b, g = q.shape[:2]
+        logits = torch.matmul(q.float().reshape(b, g * rows, -1), k.float().transpose(-1, -2))  # (B, G*W, T)
+        logits = logits.mul_(scale).view(b, g, rows, n_keys)
+        logits[..., first:].masked_fill_(hidden, float("-inf"))
+        return torch.softmax(logits, dim=-1).mean(dim=2)
+
     kvs, counts = kv_of.unique_consecutive(return_counts=True)
-    if counts.min() == counts.max():  # the same number of heads per KV head: one batched product for the layer
-        group = int(counts[0])
-        k = keys[0].index_select(0, kvs.to(keys.device)).float()  # (H_kv', T, D)
-        q = queries.float().reshape(len(kvs), group * rows, -1)  # (H_kv', G*W, D)
-        logits = torch.matmul(q, k.transpose(1, 2)).mul_(scale).view(len(kvs), group, rows, n_keys)
-        logits.masked_fill_(hidden, float("-inf"))
-        return torch.softmax(logits, dim=-1).mean(dim=2).reshape(-1, n_keys)  # (H_sel, T)
+    ids = kvs.tolist()
+    if counts.min() == counts.max():  # the same number of heads per KV head: one product for the layer
+        k = keys[0, ids[0] : ids[-1] + 1] if ids == list(range(ids[0], ids[-1] + 1)) else keys[0, ids]  # (H_kv', T, D)
+        return probs(queries.reshape(len(ids), int(counts[0]), rows, -1), k).reshape(-1, n_keys)
     out, start = [], 0
-    for kv, count in zip(kvs.tolist(), counts.tolist()):
-        q = queries[start : start + count].float()  # (h, W, D)
-        logits = torch.matmul(q, keys[0, kv].float().transpose(0, 1)).mul_(scale)  # (h, W, T)
-        logits.masked_fill_(hidden, float("-inf"))
-        out.append(torch.softmax(logits, dim=-1).mean(dim=1))
+    for kv, count in zip(ids, counts.tolist()):
+        out.append(probs(queries[None, start : start + count], keys[0, kv : kv + 1])[0])  # (count, T)
         start += count
     return torch.cat(out)
 

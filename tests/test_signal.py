@@ -135,3 +135,19 @@ def test_resolve_names_and_the_calibration_file(tmp_path):
 def test_target_without_a_signal_keeps_no_queries():
     target = Target(prepare(tiny("llama", layers=2)), GenerationConfig(), 16)
     assert target.window is None and target.capture is None
+
+
+def test_layer_head_picture_is_each_heads_share_on_the_span():
+    from specextend.models import make_pair
+    from specextend.probe import ALL_HEADS, head_map, holds, map_heads, read
+
+    pair = make_pair(tiny("llama", layers=3, seed=5), None)
+    prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    picture = map_heads(pair, prompt, (10, 14), {"paper's signal": PAPER})
+    assert len(picture.share) == 3 and all(len(row) == 4 for row in picture.share)
+    assert picture.rows == PAPER.rows and picture.signals == {"paper's signal": ((2, 0), (2, 1), (2, 2), (2, 3))}
+    target = read(pair, prompt, ALL_HEADS)  # by hand: each head's last-row attention summed over the span
+    scores = target.head_scores(1)
+    torch.testing.assert_close(torch.tensor(picture.share).flatten(), scores[:, 10:14].sum(dim=1), atol=1e-5, rtol=1e-4)
+    assert head_map(target, (0, 40), 1).allclose(torch.ones(3, 4), atol=1e-5)  # all of it on the whole prompt
+    assert holds(((0, 8), (10, 20)), (12, 15)) and not holds(((0, 8), (10, 13)), (12, 15))
