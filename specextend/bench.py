@@ -47,7 +47,7 @@ from .events import Finished
 from .kernel_bench import llama
 from .metrics import PHASES, summarize
 from .models import ModelPair, load_pair, make_pair
-from .probe import holds, needle_prompt, read
+from .probe import holds, needle_prompt, read_signals
 from .retrieval import make_policy
 from .signal import resolve
 
@@ -310,15 +310,13 @@ def needle_case(pair: ModelPair, tokenizer, signals: dict[str, RetrievalConfig],
     """One planted needle: does each working cache hold it after the first retrieval, and what does each reader
     answer (the target; the draft alone from its full cache, StreamingLLM's window, CMR's cache per signal)."""
     prompt = needle_prompt(tokenizer, text, depth, seed)
-    held, answers = {}, {}
+    target, scores = read_signals(pair, prompt.ids, {k: v.signal for k, v in signals.items()}, answer_tokens + 2)
+    held, answers = {}, {"target": target_answer(target, answer_tokens)}
     for name, retrieval in signals.items():
-        target = read(pair, prompt.ids, retrieval.signal, answer_tokens + 2)
-        scores = target.token_scores()
-        held[name] = holds(make_policy("cmr", retrieval).select(len(prompt.ids) - 1, scores).kept_spans, prompt.span)
-        answers[name] = draft_answer(pair, preset("specextend", retrieval=retrieval), "cmr", prompt.ids, scores,
+        selection = make_policy("cmr", retrieval).select(len(prompt.ids) - 1, scores[name])
+        held[name] = holds(selection.kept_spans, prompt.span)
+        answers[name] = draft_answer(pair, preset("specextend", retrieval=retrieval), "cmr", prompt.ids, scores[name],
                                      answer_tokens)
-        if name == "paper":
-            answers["target"] = target_answer(target, answer_tokens)
     config = preset("specextend", retrieval=signals["paper"])
     window = make_policy("streaming", config.retrieval).select(len(prompt.ids) - 1, None)
     held["streaming"] = holds(window.kept_spans, prompt.span)

@@ -1,7 +1,8 @@
 """Offline looks at where the target's attention goes, for calibration, the benchmark and the needle tab.
 
 `needle_prompt` builds a needle question over a document and finds the needle's token span; `read` prefills a
-target that keeps the queries of the heads a signal names; `head_map` is the share of each head's attention on a
+target that keeps the queries of the heads a signal names, `read_signals` one for several signals at once;
+`head_map` is the share of each head's attention on a
 span (the layer x head picture), `map_heads` that picture with the heads each signal scores with; `holds` says
 whether a working cache kept a whole span. Everything here runs the target's prefill only.
 Knows models through the engine's Target; knows nothing of the UI.
@@ -18,7 +19,7 @@ from .cli import encode_marked, render_request
 from .config import GenerationConfig, RetrievalSignal
 from .engine import Target
 from .models import ModelPair
-from .signal import span_mass
+from .signal import combine, span_mass
 
 NEEDLE_HINT = "Answer with the value only."
 ALL_HEADS = RetrievalSignal("every head", layers=(), rows=64)  # what the layer x head picture reads
@@ -49,6 +50,24 @@ def read(pair: ModelPair, prompt: list[int], signal: RetrievalSignal, extra: int
     for _ in target.prefill(prompt, None):
         pass
     return target
+
+
+def read_signals(pair: ModelPair, prompt: list[int], signals: dict[str, RetrievalSignal], extra: int = 2
+                 ) -> tuple[Target, dict[str, torch.Tensor]]:
+    """One prefill for several signals: a target that keeps the union of their heads and rows, and each signal's
+    token scores (T,) as the engine's Target would give them after that prefill."""
+    c = pair.target.config
+    sets = {name: sig.head_sets(c.num_hidden_layers, c.num_attention_heads) for name, sig in signals.items()}
+    union = sorted({(layer, h) for heads in sets.values() for layer, hs in heads.items() for h in hs})
+    target = read(pair, prompt, RetrievalSignal("union", heads=tuple(union), rows=max(s.rows for s in signals.values())),
+                  extra)
+    index = {pair_: i for i, pair_ in enumerate(union)}  # the window keeps heads layer by layer, ascending
+    by_rows = {rows: target.head_scores(rows) for rows in {s.rows for s in signals.values()}}  # (H_union, T)
+    scores = {}
+    for name, sig in signals.items():
+        rows = [index[(layer, h)] for layer, hs in sets[name].items() for h in hs]
+        scores[name] = combine(by_rows[sig.rows][rows], sig.combine).cpu()
+    return target, scores
 
 
 def head_map(target: Target, span: tuple[int, int], rows: int | None = None) -> torch.Tensor:

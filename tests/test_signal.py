@@ -151,3 +151,16 @@ def test_layer_head_picture_is_each_heads_share_on_the_span():
     torch.testing.assert_close(torch.tensor(picture.share).flatten(), scores[:, 10:14].sum(dim=1), atol=1e-5, rtol=1e-4)
     assert head_map(target, (0, 40), 1).allclose(torch.ones(3, 4), atol=1e-5)  # all of it on the whole prompt
     assert holds(((0, 8), (10, 20)), (12, 15)) and not holds(((0, 8), (10, 13)), (12, 15))
+
+
+def test_one_prefill_scores_several_signals_as_the_engine_would():
+    from specextend.models import make_pair
+    from specextend.probe import read, read_signals
+
+    pair = make_pair(tiny("llama", layers=3, seed=5), None)
+    prompt = torch.randint(0, VOCAB, (50,), generator=torch.Generator().manual_seed(4)).tolist()
+    signals = {"paper": PAPER, "own": RetrievalSignal("own", heads=((0, 1), (2, 3), (1, 0)), rows=7, combine="max"),
+               "every": UNCALIBRATED}
+    _, scores = read_signals(pair, prompt, signals)
+    for name, sig in signals.items():  # each as its own target would score it
+        torch.testing.assert_close(scores[name], read(pair, prompt, sig).token_scores(), atol=1e-6, rtol=1e-5)
