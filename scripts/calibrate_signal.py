@@ -100,7 +100,7 @@ def rank_heads(cases: list[dict], rows: int) -> list[int]:
     return torch.stack([c["share"][rows] for c in cases]).mean(dim=0).argsort(descending=True).tolist()
 
 
-def heads_scores(heads: list[int], rows: int, spread: float):
+def calibrated_scores(heads: list[int], rows: int, spread: float):
     return lambda c: spread_scores(c["chunks"][rows][heads].mean(dim=0), spread)
 
 
@@ -111,7 +111,7 @@ def choose(cases: list[dict]) -> dict:
     for rows in ROWS[1:]:
         ranking = rank_heads(cases, rows)
         for n, spread in itertools.product(TOP_N, SPREADS):
-            scores = heads_scores(ranking[:n], rows, spread)
+            scores = calibrated_scores(ranking[:n], rows, spread)
             margins = sorted(m for m in (margin(c, scores(c)) for c in cases) if m is not None)
             key = (round(hold_rate(cases, scores), 9), -n * rows, margins[len(margins) // 10] if margins else 0.0)
             if best is None or key > best["key"]:
@@ -127,7 +127,7 @@ def evaluate(cases: list[dict], final: int, heads: int) -> dict:
     out = {"streaming": statistics.fmean(holds(window(c, k), c["span"]) for c in cases for k in BUDGETS),
            "paper": hold_rate(cases, lambda c: c["chunks"][1][last].mean(dim=0), reserve=0.0)}
     for rows, spread in itertools.product(ROWS, SPREADS):
-        out[f"final layer, mean, W={rows}, spread {spread}"] = hold_rate(cases, heads_scores(last, rows, spread))
+        out[f"final layer, mean, W={rows}, spread {spread}"] = hold_rate(cases, calibrated_scores(last, rows, spread))
         out[f"every head, max, W={rows}, spread {spread}"] = hold_rate(
             cases, lambda c: spread_scores(c["max_chunks"][rows], spread))
     folds = {}
@@ -136,7 +136,7 @@ def evaluate(cases: list[dict], final: int, heads: int) -> dict:
         test = [c for c in cases if c["document"] == doc]
         pick = choose(train)
         folds[doc] = {"rows": pick["rows"], "n": pick["n"], "spread": pick["spread"], "train_rate": pick["key"][0],
-                      "test_rate": hold_rate(test, heads_scores(pick["heads"], pick["rows"], pick["spread"])),
+                      "test_rate": hold_rate(test, calibrated_scores(pick["heads"], pick["rows"], pick["spread"])),
                       "cases": len(test)}
     out["calibrated (leave one document out)"] = statistics.fmean(f["test_rate"] for f in folds.values())
     return {"rates": out, "folds": folds}

@@ -164,3 +164,28 @@ def test_one_prefill_scores_several_signals_as_the_engine_would():
     _, scores = read_signals(pair, prompt, signals)
     for name, sig in signals.items():  # each as its own target would score it
         torch.testing.assert_close(scores[name], read(pair, prompt, sig).token_scores(), atol=1e-6, rtol=1e-5)
+
+
+def test_calibration_picks_the_cheapest_signal_that_holds_and_needs_spread_for_straddling_needles():
+    """Synthetic needles: heads 0-3 (of 8) see the needle's value chunk, the others look at random chunks; the needle
+    straddles into the chunk before its value, which only spreading brings along."""
+    from scripts.calibrate_signal import ROWS, choose, hold_rate
+
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for i in range(12):
+        n_chunks = 60
+        value = 10 + 3 * i
+        chunks = {}
+        for rows in ROWS:
+            scores = torch.rand(8, n_chunks, generator=gen) * 0.01
+            scores[:4, value] = 0.5  # the finding heads
+            scores[:, value - 1] = 0.001  # the needle's first words: nobody looks there
+            chunks[rows] = scores
+        cases.append({"document": f"doc{i % 3}", "needle": {value - 1, value}, "chunks": chunks,
+                      "share": {rows: torch.tensor([0.3] * 4 + [0.0] * 4) + 0.01 * torch.arange(8) for rows in ROWS}})
+    pick = choose(cases)
+    assert pick["n"] == 4 and sorted(pick["heads"]) == [0, 1, 2, 3] and pick["rows"] == ROWS[1]  # fewest heads x rows
+    assert pick["spread"] > 0 and pick["key"][0] == 1.0
+    no_spread = hold_rate(cases, lambda c: c["chunks"][ROWS[1]][:4].mean(dim=0))
+    assert no_spread == 0.0  # without spread the first words' chunk is never kept
