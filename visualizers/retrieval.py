@@ -319,13 +319,15 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
                             "y": 1.0, "yanchor": "bottom", "showarrow": False, "font": {"size": 11, "color": "#9a6700"}})
 
     if latest.scores:
-        best = max(range(n), key=lambda i: latest.scores[i] if i < len(latest.scores) else -1.0)
+        # the attention sink (chunk 0) always scores high and is always kept: name the best chunk after it
+        best = max(range(min(1, n - 1), n), key=lambda i: latest.scores[i] if i < len(latest.scores) else -1.0)
         s, e = grid[best]
         snippet = hover_text(decode(sequence[s:e]), width=1000, limit=60 if height else 90)
         signal = f" ({latest.signal} signal)" if latest.signal else ""
         headline = (f"Retrieval after step {latest.step}{signal}: {len(kept)} of {n} chunks in the draft's working cache "
                     f"({latest.working_cache_len} tokens), <span style='color:{FAR}'>{len(far)} reaching back</span>"
-                    f"<br><span style='font-size:12px'>the signal scores chunk {best} highest: “{snippet}”</span>")
+                    f"<br><span style='font-size:12px'>after the sink, the signal scores chunk {best} highest: "
+                    f"“{snippet}”</span>")
     else:
         headline = (f"StreamingLLM window after step {latest.step}: {latest.working_cache_len} tokens "
                     f"({len(kept)} of {n} chunks)<br><span style='font-size:12px'>the attention sink plus the "
