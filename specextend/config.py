@@ -98,6 +98,10 @@ class RetrievalSignal:
         """Newest chunks always kept in a working cache of top_k chunks: the reserve's share, at least one."""
         return max(1, round(self.reserve * top_k))
 
+    def pairs(self, num_layers: int, num_heads: int) -> tuple[tuple[int, int], ...]:
+        """The (layer, head) pairs that score, layer by layer, heads ascending (the order a QueryWindow keeps)."""
+        return tuple((layer, h) for layer, hs in self.head_sets(num_layers, num_heads).items() for h in hs)
+
     def head_sets(self, num_layers: int, num_heads: int) -> dict[int, tuple[int, ...]]:
         """{layer: query heads that score} for a target of `num_layers` x `num_heads`, layers counted from 0."""
         def index(layer: int) -> int:

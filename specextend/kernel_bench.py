@@ -162,7 +162,7 @@ def bench_engine(device, dtype, shapes, prompt_len: int, new_tokens: int, repeat
                ("speculative, eager prefill", speculative.replace(attention=AttentionConfig("eager", "masked"))),
                ("speculative, HTA", speculative.replace(attention=AttentionConfig("fused", "hybrid")))]
     for signal in (PAPER, heads_signal(target_shape), UNCALIBRATED):
-        heads = sum(map(len, signal.head_sets(target_shape[0], target_shape[2]).values()))
+        heads = len(signal.pairs(target_shape[0], target_shape[2]))
         configs.append((f"specextend, {signal.name} ({heads} heads x {signal.rows} rows)",
                         preset("specextend", retrieval=RetrievalConfig(signal=signal))))
     tree = DraftConfig(shape="tree", max_depth=5, node_budget=32, branch=4, children=4)

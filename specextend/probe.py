@@ -2,9 +2,9 @@
 
 `needle_prompt` builds a needle question over a document and finds the needle's token span; `read` prefills a
 target that keeps the queries of the heads a signal names, `read_signals` one for several signals at once;
-`head_map` is the share of each head's attention on a
-span (the layer x head picture), `map_heads` that picture with the heads each signal scores with; `holds` says
-whether a working cache kept a whole span. Everything here runs the target's prefill only.
+`head_map` is the share of each head's attention on a span (the layer x head picture), `map_heads` that picture
+with the heads each signal scores with; `holds` says whether a working cache kept a whole span. Everything here
+runs the target's prefill only.
 Knows models through the engine's Target; knows nothing of the UI.
 """
 
@@ -57,15 +57,15 @@ def read_signals(pair: ModelPair, prompt: list[int], signals: dict[str, Retrieva
     """One prefill for several signals: a target that keeps the union of their heads and rows, and each signal's
     token scores (T,) as the engine's Target would give them after that prefill."""
     c = pair.target.config
-    sets = {name: sig.head_sets(c.num_hidden_layers, c.num_attention_heads) for name, sig in signals.items()}
-    union = sorted({(layer, h) for heads in sets.values() for layer, hs in heads.items() for h in hs})
+    pairs = {name: sig.pairs(c.num_hidden_layers, c.num_attention_heads) for name, sig in signals.items()}
+    union = sorted({p for heads in pairs.values() for p in heads})
     target = read(pair, prompt, RetrievalSignal("union", heads=tuple(union), rows=max(s.rows for s in signals.values())),
                   extra)
-    index = {pair_: i for i, pair_ in enumerate(union)}  # the window keeps heads layer by layer, ascending
+    index = {p: i for i, p in enumerate(union)}  # the window keeps heads layer by layer, ascending
     by_rows = {rows: target.head_scores(rows) for rows in {s.rows for s in signals.values()}}  # (H_union, T)
     scores = {}
     for name, sig in signals.items():
-        rows = [index[(layer, h)] for layer, hs in sets[name].items() for h in hs]
+        rows = [index[p] for p in pairs[name]]
         scores[name] = combine(by_rows[sig.rows][rows], sig.combine).cpu()
     return target, scores
 
@@ -93,8 +93,7 @@ def map_heads(pair: ModelPair, prompt: list[int], span: tuple[int, int], signals
     c = pair.target.config
     rows = next(iter(signals.values())).rows if signals else ALL_HEADS.rows
     share = head_map(read(pair, prompt, replace(ALL_HEADS, rows=rows)), span)
-    heads = {name: tuple((layer, h) for layer, hs in sig.head_sets(c.num_hidden_layers, c.num_attention_heads).items()
-                         for h in hs) for name, sig in signals.items()}
+    heads = {name: sig.pairs(c.num_hidden_layers, c.num_attention_heads) for name, sig in signals.items()}
     return HeadMap(tuple(tuple(row) for row in share.tolist()), rows, heads)
 
 
