@@ -4,24 +4,31 @@ Registered with transformers as the attention implementation "specextend". Each 
 `AttentionPlan` through the model's keyword arguments and does one of:
 
 - prefill: causal attention of new tokens over the cache (optionally a sliding window), with a fused
-  kernel (SDPA; flash-attn on CUDA when installed) or eager matmul + softmax (the paper's baseline);
-- tree: new tokens (a chain or tree) over the committed prefix plus a tree region with a boolean mask,
-  either as Hybrid Tree Attention (prefix through a fused kernel that returns each row's log-sum-exp,
-  tree part in plain PyTorch, merged exactly by the two log-sum-exps) or as SDPA with a full boolean
-  mask (what transformers does).
+  kernel (SDPA; flash-attn on CUDA when installed) or eager matmul + softmax (the paper's baseline). A
+  block after the first is causal aligned to the bottom right, which fused CUDA kernels take as is;
+- tree: new tokens (a chain or tree) over the committed prefix plus a tree region with a boolean mask, as
+  Hybrid Tree Attention ("hybrid": prefix through a fused kernel that returns each row's log-sum-exp, tree
+  part in plain PyTorch, merged exactly by the log-sum-exps), one fused call over every key under the
+  tree mask ("onecall"), SDPA with a full mask and repeated KV heads ("masked", what transformers does),
+  or the fastest of these for the device, shapes and length, timed on first use ("auto");
+- static: a fixed number of new tokens over a fixed key bucket under a precomputed mask (steps.py), as one
+  fused call over key splits merged by their log-sum-exps (flash-decoding), so it can be captured.
 
-It also keeps the queries of the layers retrieval scores from (signal.py), only when retrieval needs them. Grouped-query attention is handled by folding query heads onto
-their KV head (no repeated KV) wherever all queries see the same keys.
+It also keeps the queries of the layers retrieval scores from (signal.py), only when retrieval needs them.
+Grouped-query attention is handled by folding query heads onto their KV head (no repeated KV) wherever all
+queries see the same keys.
 Knows tensors and kernels; knows nothing of drafting, verification or retrieval policy.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -46,11 +53,35 @@ class QueryCapture:
 class AttentionPlan:
     """What every attention layer of one forward must do."""
 
-    kind: str  # "prefill" or "tree"
-    kernel: str  # prefill: "fused" | "eager"; tree: "hybrid" | "masked"
+    kind: str  # "prefill", "tree" or "static"
+    kernel: str  # prefill: "fused" | "eager"; tree: "hybrid" | "onecall" | "masked" | "auto"; static: "split"
     window: int | None = None  # prefill: sliding window (keys at distance < window)
     tree_mask: torch.Tensor | None = None  # tree: (T_q, tail) bool, visibility of the last `tail` keys
     capture: QueryCapture | None = field(default=None, compare=False)
+    keys: KeySplits | None = field(default=None, compare=False)  # static: the mask over the key bucket, split
+
+
+@dataclass(frozen=True)
+class KeySplits:
+    """A boolean mask (T_q, T_k) made ready for `split_attention`: folded over G query heads per KV head and cut
+    into S equal key splits. bias (S, 1, G*T_q, T_k/S): 0 where seen, -inf where hidden; seen (S, 1, G*T_q, 1):
+    whether a row sees any key of a split."""
+
+    bias: torch.Tensor
+    seen: torch.Tensor
+
+    @classmethod
+    def of(cls, mask: torch.Tensor, groups: int, splits: int, dtype: torch.dtype) -> KeySplits:
+        rows = mask.repeat(groups, 1)  # (G*T_q, T_k)
+        cut = rows.view(rows.shape[0], splits, -1).transpose(0, 1)  # (S, G*T_q, T_k/S)
+        bias = torch.zeros(cut.shape, dtype=dtype, device=mask.device).masked_fill_(~cut, float("-inf"))
+        return cls(bias[:, None], cut.any(-1)[:, None, :, None])
+
+    def fill_(self, mask: torch.Tensor, groups: int) -> None:
+        """Overwrite in place (a captured step reads these buffers) from a new (T_q, T_k) mask."""
+        fresh = KeySplits.of(mask, groups, self.bias.shape[0], self.bias.dtype)
+        self.bias.copy_(fresh.bias)
+        self.seen.copy_(fresh.seen)
 
 
 # ---------------------------------------------------------------- pure kernels (B, H, T, D) layout
@@ -87,10 +118,26 @@ def math_attention(
 
 
 def fused_attention_with_lse(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unmasked attention of every query over every key through a fused kernel: (output, LSE (B,H_q,T_q))."""
+    """Attention of every query over every key through a fused kernel, with an optional additive `bias` (broadcast
+    to (B, H_kv, G*T_q, T_k), query heads folded): (output, LSE (B,H_q,T_q)). Every row must see some key."""
     q_heads, kv_heads = query.shape[1], key.shape[1]
+    if bias is not None:
+        q = fold_heads(query, kv_heads)  # (B, H_kv, G*T_q, D)
+        bias = bias.expand(q.shape[0], kv_heads, q.shape[2], key.shape[2])
+        if query.is_cuda:
+            out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+                q, key, value, bias, True, scale=scale)[:2]
+            lse = lse[..., : q.shape[2]]
+        elif query.device.type == "cpu":
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, key, value, 0.0, False, attn_mask=bias, scale=scale)[:2]
+        else:
+            logits = torch.matmul(q.float(), key.float().transpose(-1, -2)) * scale + bias.float()
+            lse = torch.logsumexp(logits, dim=-1)  # (B, H_kv, G*T_q)
+            out = torch.matmul(torch.exp(logits - lse[..., None]), value.float()).to(query.dtype)
+        return unfold_heads(out, q_heads), unfold_heads(lse.float(), q_heads)
     if use_flash_attn(query):
         from flash_attn import flash_attn_func
 
@@ -116,12 +163,12 @@ def fused_attention_with_lse(
     return unfold_heads(out, q_heads), unfold_heads(lse.float(), q_heads)
 
 
-def merge_by_lse(
-    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
-) -> torch.Tensor:
-    """Exact merge of attention over two disjoint key sets: w = sigmoid(lse_a - lse_b)."""
-    w = torch.sigmoid(lse_a - lse_b)[..., None]  # (B, H, T_q, 1)
-    return (w * out_a.float() + (1.0 - w) * out_b.float()).to(out_a.dtype)
+def merge_by_lse(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    """Exact merge of attention over S disjoint key sets: outs (S, ..., T_q, D), lses (S, ..., T_q) -> (..., T_q, D),
+    weighted by softmax over S of the log-sum-exps (for two sets, w = sigmoid(lse_a - lse_b)). A set a row does
+    not see has LSE -inf and weight zero."""
+    w = torch.softmax(lses.float(), dim=0)[..., None]  # (S, ..., T_q, 1)
+    return (w * outs.float().nan_to_num()).sum(0).to(outs.dtype)
 
 
 def hybrid_tree_attention(
@@ -134,7 +181,70 @@ def hybrid_tree_attention(
     if prefix == 0:
         return out_t
     out_p, lse_p = fused_attention_with_lse(query, key[:, :, :prefix], value[:, :, :prefix], scale)
-    return merge_by_lse(out_p, lse_p, out_t, lse_t)
+    return merge_by_lse(torch.stack([out_p, out_t]), torch.stack([lse_p, lse_t]))
+
+
+def onecall_tree_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tree_mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Queries over prefix keys + tree keys in one fused call: query heads folded onto their KV head (no repeated
+    KV), the full mask repeated over the folded heads."""
+    q_heads, kv_heads = query.shape[1], key.shape[1]
+    mask = full_tree_mask(tree_mask, key.shape[2]).repeat(q_heads // kv_heads, 1)  # (G*T_q, T_k)
+    out = F.scaled_dot_product_attention(fold_heads(query, kv_heads), key, value, attn_mask=mask, scale=scale)
+    return unfold_heads(out, q_heads)
+
+
+def split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keys: KeySplits, scale: float) -> torch.Tensor:
+    """Queries (1, H_q, T_q, D) over keys (1, H_kv, T_k, D) under a mask cut into S key splits: one fused call with
+    the splits as its batch (each split a block of every KV head's keys, no copy), merged by log-sum-exp. With
+    enough splits every SM gets work even for one query row (flash-decoding); the shapes never depend on how
+    many keys the mask shows, so the call can be captured."""
+    splits, q_heads, kv_heads = keys.bias.shape[0], query.shape[1], key.shape[1]
+    q = fold_heads(query, kv_heads).expand(splits, -1, -1, -1)  # (S, H_kv, G*T_q, D)
+    k = key[0].unflatten(1, (splits, -1)).transpose(0, 1)  # (S, H_kv, T_k/S, D), a view
+    v = value[0].unflatten(1, (splits, -1)).transpose(0, 1)
+    out, lse = fused_attention_with_lse(q, k, v, scale, keys.bias)  # (S, H_kv, G*T_q, D), (S, H_kv, G*T_q)
+    lse = lse.masked_fill(~keys.seen[..., 0], float("-inf"))
+    return unfold_heads(merge_by_lse(out, lse)[None], q_heads)
+
+
+TREE_KERNELS = {"hybrid": hybrid_tree_attention, "onecall": onecall_tree_attention}
+CHOSEN: dict[tuple, str] = {}  # (device, dtype, H_q, H_kv, D, T_q, key bucket) -> the kernel "auto" timed fastest
+
+
+def masked_tree_attention(module, query, key, value, tree_mask, scale) -> torch.Tensor:
+    """What transformers does: SDPA with the full boolean mask and KV heads repeated: (B, H_q, T_q, D)."""
+    mask = full_tree_mask(tree_mask, key.shape[2])[None, None]
+    return sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scale)[0].transpose(1, 2)
+
+
+def tree_attention(kernel: str, module, query, key, value, tree_mask, scale) -> torch.Tensor:
+    """A tree forward's attention by the named kernel; "auto" times every kernel on the first forward of each
+    (device, dtype, head shapes, new tokens, key-length bucket) and keeps the fastest."""
+    kernels = {**{name: (lambda f: lambda: f(query, key, value, tree_mask, scale))(f) for name, f in TREE_KERNELS.items()},
+               "masked": lambda: masked_tree_attention(module, query, key, value, tree_mask, scale)}
+    if kernel == "auto":
+        bucket = 1 << max(key.shape[2] - 1, 1).bit_length()
+        shape = (str(query.device), query.dtype, query.shape[1], key.shape[1], query.shape[3], query.shape[2], bucket)
+        if shape not in CHOSEN:
+            CHOSEN[shape] = min(kernels, key=lambda name: best_time(kernels[name], query.device))
+        kernel = CHOSEN[shape]
+    return kernels[kernel]()
+
+
+def best_time(fn, device: torch.device, repeats: int = 3) -> float:
+    """The best of a few timings of fn() after one warm-up call, in seconds."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def full_tree_mask(tree_mask: torch.Tensor, key_len: int) -> torch.Tensor:
@@ -174,6 +284,9 @@ def prefill_attention(
         )  # (B, T_q, H_q, D); causal aligned to the bottom right, as here
         return out.transpose(1, 2)
     plain_causal = past == 0 and (window is None or window >= q_len)
+    if not plain_causal and window is None and query.is_cuda:  # a later block: fused kernels align to the bottom right
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(q_len, key_len),
+                                              scale=scale, enable_gqa=True)
     mask = None if plain_causal else causal_window_mask(q_len, start, key_len, past, window, query.device)
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, is_causal=plain_causal, scale=scale, enable_gqa=True
@@ -195,13 +308,12 @@ def specextend_attention(module, query, key, value, attention_mask, dropout=0.0,
         plan.capture.queries[module.layer_idx] = query
     if plan.kind == "prefill":
         out = prefill_attention(query, key, value, plan.window, plan.kernel, scale)
+    elif plan.kind == "static":
+        out = split_attention(query, key, value, plan.keys, scale)
     elif query.shape[2] == 1:  # one new token sees every key: a single unmasked fused call
         out = F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=True)
-    elif plan.kernel == "hybrid":
-        out = hybrid_tree_attention(query, key, value, plan.tree_mask, scale)
     else:
-        mask = full_tree_mask(plan.tree_mask, key.shape[2])
-        return sdpa_attention_forward(module, query, key, value, mask[None, None], dropout=0.0, scaling=scale)
+        out = tree_attention(plan.kernel, module, query, key, value, plan.tree_mask, scale)
     return out.transpose(1, 2).contiguous(), None
 
 

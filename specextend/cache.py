@@ -18,7 +18,11 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each (
 
 
 class BufferLayer(CacheLayerMixin):
-    """One layer's keys and values in a buffer that grows by doubling."""
+    """One layer's keys and values in a buffer that grows by doubling.
+
+    While `static` is set to (slots, bucket), a forward writes its new keys at the slots a tensor holds and
+    sees the first `bucket` slots, filled or not (a mask hides the rest): shapes that do not depend on the
+    length, so the forward can be captured (steps.py). The caller then sets `length`."""
 
     is_croppable = True
 
@@ -26,12 +30,14 @@ class BufferLayer(CacheLayerMixin):
         super().__init__()
         self.length = 0
         self.capacity = capacity
+        self.static: tuple[torch.Tensor, int] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, tokens, dim = key_states.shape
         size = max(self.capacity, tokens, 16)
-        self.keys = key_states.new_empty((batch, heads, size, dim))
-        self.values = value_states.new_empty((batch, heads, size, value_states.shape[-1]))
+        # zeros, not garbage: a static forward reads unused slots under a -inf mask, and NaN * 0 is NaN
+        self.keys = key_states.new_zeros((batch, heads, size, dim))
+        self.values = value_states.new_zeros((batch, heads, size, value_states.shape[-1]))
         self.device = key_states.device
         self.is_initialized = True
 
@@ -41,13 +47,18 @@ class BufferLayer(CacheLayerMixin):
             return
         while size < needed:
             size *= 2
-        keys = self.keys.new_empty((*self.keys.shape[:2], size, self.keys.shape[3]))
-        values = self.values.new_empty((*self.values.shape[:2], size, self.values.shape[3]))
+        keys = self.keys.new_zeros((*self.keys.shape[:2], size, self.keys.shape[3]))
+        values = self.values.new_zeros((*self.values.shape[:2], size, self.values.shape[3]))
         keys[:, :, : self.length] = self.keys[:, :, : self.length]
         values[:, :, : self.length] = self.values[:, :, : self.length]
         self.keys, self.values = keys, values
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.static is not None:
+            slots, bucket = self.static
+            self.keys.index_copy_(2, slots, key_states)
+            self.values.index_copy_(2, slots, value_states)
+            return self.keys[:, :, :bucket], self.values[:, :, :bucket]
         self.write(self.length, key_states, value_states)
         return self.filled()
 

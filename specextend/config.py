@@ -16,7 +16,8 @@ METHODS: tuple[str, ...] = ("autoregressive", "lookup", "speculative", "streamin
 # "default": the calibrated signal where the pair has one, else a calibration-free one (specextend/signal.py)
 SIGNAL_NAMES: tuple[str, ...] = ("paper", "calibrated", "default")
 PrefillKernel = Literal["fused", "eager"]
-VerifyKernel = Literal["hybrid", "masked"]
+VerifyKernel = Literal["hybrid", "onecall", "masked", "auto"]
+StepMode = Literal["auto", "eager", "static", "captured"]
 
 
 @dataclass(frozen=True)
@@ -226,16 +227,24 @@ class LookupConfig:
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """Which kernel each phase uses. The SpecExtend defaults are fused prefill and Hybrid Tree Attention."""
+    """Which kernel each phase uses, and how decode-time forwards run. SpecExtend's defaults: fused prefill, the
+    fastest tree kernel for the device and length (Hybrid Tree Attention or one fused call), captured steps on CUDA."""
 
     prefill: PrefillKernel = "fused"  # fused: SDPA / flash-attn causal kernel; eager: matmul + softmax
-    verify: VerifyKernel = "hybrid"  # hybrid: HTA (fused prefix + LSE merge); masked: SDPA with a full mask
+    # hybrid: HTA (fused prefix + LSE merge); onecall: one fused call, folded heads, tree mask; masked: SDPA with a
+    # full mask and repeated KV heads (transformers' way); auto: the fastest of the three, timed on first use
+    verify: VerifyKernel = "hybrid"
+    # decode-time forwards (steps.py): eager; static (fixed shapes, run eagerly); captured (fixed shapes replayed
+    # as CUDA graphs); auto: captured on CUDA, eager elsewhere
+    steps: StepMode = "eager"
 
     def __post_init__(self) -> None:
         if self.prefill not in ("fused", "eager"):
             raise ValueError(f"prefill kernel must be 'fused' or 'eager', got {self.prefill!r}")
-        if self.verify not in ("hybrid", "masked"):
-            raise ValueError(f"verify kernel must be 'hybrid' or 'masked', got {self.verify!r}")
+        if self.verify not in ("hybrid", "onecall", "masked", "auto"):
+            raise ValueError(f"verify kernel must be 'hybrid', 'onecall', 'masked' or 'auto', got {self.verify!r}")
+        if self.steps not in ("auto", "eager", "static", "captured"):
+            raise ValueError(f"steps must be 'auto', 'eager', 'static' or 'captured', got {self.steps!r}")
 
 
 @dataclass(frozen=True)
@@ -304,13 +313,14 @@ class GenerationConfig:
 def preset(method: str, **changes) -> GenerationConfig:
     """The config a method gets by default.
 
-    Standard speculative decoding and streaming use the kernels transformers gives a user by default
-    (SDPA causal prefill, SDPA with a full boolean mask for verification): the honest baselines.
-    SpecExtend uses fused prefill, Hybrid Tree Attention and CMR; the target alone and lookup drafting (no draft
-    model) use the same kernels as SpecExtend. Any field can be overridden.
+    Standard speculative decoding and streaming use the kernels and the eager forwards transformers gives a user by
+    default (SDPA causal prefill, SDPA with a full boolean mask for verification): the honest baselines.
+    SpecExtend uses fused prefill, the measured-fastest tree kernel, captured steps where the device allows, and
+    CMR; the target alone and lookup drafting (no draft model) use the same kernels and steps as SpecExtend.
+    Any field can be overridden.
     """
-    attention = AttentionConfig(prefill="fused", verify="hybrid" if method == "specextend" else "masked")
-    if method in ("autoregressive", "lookup"):
-        attention = AttentionConfig(prefill="fused", verify="hybrid")
+    attention = AttentionConfig(prefill="fused", verify="masked")
+    if method in ("autoregressive", "lookup", "specextend"):
+        attention = AttentionConfig(prefill="fused", verify="auto", steps="auto")
     changes.setdefault("attention", attention)
     return GenerationConfig(method=method, **changes)

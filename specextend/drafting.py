@@ -25,6 +25,7 @@ from .attention import AttentionPlan
 from .cache import KVCache, reposition
 from .config import DraftConfig, GenerationConfig
 from .models import forward, rope_inv_freq
+from .steps import StepRunner, make_runner
 from .retrieval import DraftCachePolicy, Selection
 from .verification import sampling_probs
 
@@ -162,9 +163,15 @@ class ModelDrafter:
         self.temperature, self.top_p = config.temperature, config.top_p
         self.kernels = config.attention
         self.policy = policy
-        layers = model.config.num_hidden_layers
-        self.store = KVCache(layers, capacity)
-        self.working = self.store if policy.name == "full" else KVCache(layers, min(capacity, 4 * config.retrieval.working_cache))
+        largest = max(self.draft.depth + 1, self.draft.width[0])  # the pending tokens, or one tree level
+        steps = config.attention.steps
+        if policy.name == "full":
+            self.runner = make_runner(model, capacity, steps, largest)
+            self.store = self.runner.cache
+        else:
+            self.store = KVCache(model.config.num_hidden_layers, capacity)
+            self.runner = make_runner(model, min(capacity, 4 * config.retrieval.working_cache), steps, largest)
+        self.working = self.runner.cache
         self.inv_freq = rope_inv_freq(model)
         self.pending: list[int] = []  # committed tokens whose KV the draft has not computed yet
         self._tree: _Growing | None = None
@@ -200,7 +207,7 @@ class ModelDrafter:
         base = self.working.length
         m = len(self.pending)
         plan = AttentionPlan("tree", self.kernels.verify, tree_mask=torch.ones(m, m, dtype=torch.bool).tril())
-        logits = forward(self.model, self.working, self.pending, torch.arange(base, base + m), plan, logits_to_keep=1)
+        logits = self.runner.forward(self.pending, torch.arange(base, base + m), plan, 1)
         tree = _Growing(root_position=base + m - 1, slot0=base + m)
         tree.expand(-1, self._logq(logits[-1]), min(children, budget), generator, self.temperature, self.top_p)
         for level in range(1, depth):
@@ -209,7 +216,7 @@ class ModelDrafter:
             frontier = [i for i in frontier if tree.cum[i] >= threshold]
             if room <= 0 or not frontier:
                 break
-            logits = tree.feed(self.model, self.working, frontier, self.kernels.verify)
+            logits = tree.feed(self.runner, frontier, self.kernels.verify)
             for i, node in enumerate(frontier):
                 room = budget - len(tree.tokens)
                 if room <= 0:
@@ -280,7 +287,7 @@ class _Growing:
             self.cum.append(parent_cum + float(logq[token]))
             self.probs.append(math.exp(float(logq[token])))
 
-    def feed(self, model, cache: KVCache, nodes: list[int], kernel: str) -> torch.Tensor:
+    def feed(self, runner: StepRunner, nodes: list[int], kernel: str) -> torch.Tensor:
         """One draft forward over `nodes` (all at one depth); each sees its fed ancestors and itself."""
         fed_before = len(self.slot)
         mask = torch.zeros(len(nodes), fed_before + len(nodes), dtype=torch.bool)
@@ -294,7 +301,7 @@ class _Growing:
         positions = torch.tensor([self.root_position + self.depths[n] for n in nodes])
         self.forwards += 1
         plan = AttentionPlan("tree", kernel, tree_mask=mask)
-        return forward(model, cache, [self.tokens[n] for n in nodes], positions, plan, logits_to_keep=len(nodes))
+        return runner.forward([self.tokens[n] for n in nodes], positions, plan, len(nodes))
 
     def freeze(self, sampling: bool, vocab: int) -> DraftTree:
         q = None

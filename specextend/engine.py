@@ -15,14 +15,14 @@ from typing import Iterator
 import torch
 
 from .attention import AttentionPlan, QueryCapture
-from .cache import KVCache
 from .config import GenerationConfig, RetrievalSignal
 from .drafting import Drafter, DraftTree, ModelDrafter, tree_mask
 from .lookup import LookupDrafter, MergedDrafter
 from .events import Drafted, Event, Finished, Prefilled, Prefilling, Retrieved, Started, Verified
-from .models import ModelPair, final_layer, forward
+from .models import ModelPair, final_layer
 from .retrieval import make_policy
 from .signal import QueryWindow, combine, head_scores, kv_heads_of, resolve
+from .steps import make_runner
 from .verification import sampling_probs, verify_greedy, verify_sampling
 
 PREFILL_BLOCK = 2048  # target prefill block: bounds memory and lets Stop act between blocks
@@ -53,7 +53,9 @@ class Target:
     def __init__(self, model, config: GenerationConfig, capacity: int, signal: RetrievalSignal | None = None) -> None:
         self.model = model
         self.kernels = config.attention
-        self.cache = KVCache(model.config.num_hidden_layers, capacity)
+        # verification forwards: one token (autoregressive) or padded to the fixed tree budget
+        self.runner = make_runner(model, capacity, config.attention.steps, config.tree_budget + 1, fixed=True)
+        self.cache = self.runner.cache
         self.scale = final_layer(model)[1]
         self.window = self.capture = None
         if signal is not None:
@@ -74,7 +76,7 @@ class Target:
                 return
             block = prompt[start : start + PREFILL_BLOCK]
             positions = torch.arange(start, start + len(block))
-            self.logits = forward(self.model, self.cache, block, positions, plan, 1)
+            self.logits = self.runner.forward(block, positions, plan, 1)
             if self.window is not None:
                 self.window.push(self.capture.queries, torch.arange(len(block)), positions)
             yield start + len(block)
@@ -84,7 +86,7 @@ class Target:
         base = self.base = self.cache.length
         positions = base + torch.tensor((0, *tree.depths))
         plan = AttentionPlan("tree", self.kernels.verify, tree_mask=tree_mask(tree.parents), capture=self.capture)
-        return forward(self.model, self.cache, [root, *tree.tokens], positions, plan, len(tree.tokens) + 1)
+        return self.runner.forward([root, *tree.tokens], positions, plan, len(tree.tokens) + 1)
 
     def commit(self, path: list[int]) -> None:
         """Keep the prefix, the root and the accepted path; drop the rejected nodes' KV; the read rows join the window."""

@@ -1,11 +1,12 @@
 """Attention kernels against plain references, standalone and inside the models.
 
-Hybrid Tree Attention (fused prefix with log-sum-exp + masked tree part, merged by the LSEs) must equal
+Hybrid Tree Attention (fused prefix with log-sum-exp + masked tree part, merged by the LSEs), one fused
+call under the tree mask, and split attention over key splits (the captured steps' kernel) must equal
 plain masked attention in fp32 with grouped-query heads, for several prefix lengths including 0 and for
-random trees; the fused kernel's output and LSE must equal the math path; the LSE merge must be exact;
-causal prefill with and without a sliding window (fresh or over a cache, eager or fused) must equal a
-masked softmax; the final-layer score row must be a head-averaged softmax. Inside tiny Llama and Qwen2
-models, a tree verify forward with kernel "hybrid" must give the logits of kernel "masked" and of
+random trees; "auto" must pick one of them and keep it; the fused kernel's output and LSE must equal the
+math path; the LSE merge must be exact; causal prefill with and without a sliding window (fresh or over a
+cache, eager or fused) must equal a masked softmax, and bottom-right causal is that mask. Inside tiny Llama
+and Qwen2 models, a tree verify forward with every kernel, and a static step, must give the logits of
 recomputing every root-to-node path from scratch.
 """
 
@@ -17,19 +18,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import VOCAB, tiny
+from specextend import attention
 from specextend.attention import (
     AttentionPlan,
+    KeySplits,
     causal_window_mask,
     full_tree_mask,
     fused_attention_with_lse,
     hybrid_tree_attention,
     math_attention,
     merge_by_lse,
+    onecall_tree_attention,
     prefill_attention,
+    split_attention,
+    tree_attention,
 )
 from specextend.cache import KVCache
 from specextend.drafting import tree_mask
 from specextend.models import forward, prepare
+from specextend.steps import StepRunner, capacity_for, sizes_up_to
 
 Q_HEADS, KV_HEADS, DIM = 6, 2, 16
 SCALE = DIM**-0.5
@@ -141,8 +148,8 @@ def test_merge_by_lse_is_exact(seed):
     out_a, lse_a = math_attention(q, k[:, :, a], v[:, :, a], None, SCALE)
     out_b, lse_b = math_attention(q, k[:, :, b], v[:, :, b], None, SCALE)
     want, _ = reference(q, k, v, None)
-    close(merge_by_lse(out_a, lse_a, out_b, lse_b), want)
-    close(merge_by_lse(out_b, lse_b, out_a, lse_a), want)  # symmetric
+    close(merge_by_lse(torch.stack([out_a, out_b]), torch.stack([lse_a, lse_b])), want)
+    close(merge_by_lse(torch.stack([out_b, out_a]), torch.stack([lse_b, lse_a])), want)  # symmetric
     # a merge with equal weights would not do: the test can tell
     assert (0.5 * (out_a + out_b) - want.float()).abs().max() > 1e-3
 
@@ -152,7 +159,9 @@ def test_merge_by_lse_handles_an_empty_side():
     q, k, v = tensors(1, 3, 8, 9)
     out, lse = math_attention(q, k, v, None, SCALE)
     nothing = torch.full_like(lse, float("-inf"))
-    close(merge_by_lse(out, lse, torch.zeros_like(out), nothing), out)
+    close(merge_by_lse(torch.stack([out, torch.zeros_like(out)]), torch.stack([lse, nothing])), out)
+    # a fused kernel may leave NaN rows where a row saw no key of its split: they must not leak
+    close(merge_by_lse(torch.stack([torch.full_like(out, float("nan")), out]), torch.stack([nothing, lse])), out)
 
 
 # --------------------------------------------------------------------------------- prefill
@@ -232,18 +241,18 @@ def test_tree_verify_inside_models_equals_masked_and_recomputation(family):
         positions = n + torch.tensor([0, *depths])
         mask = tree_mask(parents)
         logits = {}
-        for kernel in ("hybrid", "masked"):
+        for kernel in ("hybrid", "onecall", "masked", "auto"):
             plan = AttentionPlan("tree", kernel, tree_mask=mask)
             logits[kernel] = forward(model, cache, [root, *tokens], positions, plan, logits_to_keep=len(tokens) + 1)
             assert cache.length == n + len(tokens) + 1
             cache.crop(n)
         assert logits["hybrid"].shape == (len(tokens) + 1, VOCAB)
-        torch.testing.assert_close(logits["hybrid"], logits["masked"], atol=1e-4, rtol=1e-5)
         with torch.no_grad():
             for row in range(len(tokens) + 1):
                 seq = prompt + [root] + (path_tokens(parents, tokens, row - 1) if row else [])
                 want = reference_model(input_ids=torch.tensor([seq])).logits[0, -1]
-                torch.testing.assert_close(logits["hybrid"][row], want, atol=1e-4, rtol=1e-5)
+                for kernel, got in logits.items():
+                    torch.testing.assert_close(got[row], want, atol=1e-4, rtol=1e-5, msg=kernel)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -270,3 +279,100 @@ def test_blockwise_prefill_inside_models_equals_recomputation(family, kernel, wi
             unwindowed = reference_model(input_ids=torch.tensor([prompt])).logits[0]
         assert (want[-1] - unwindowed[-1]).abs().max() > 1e-3  # the window really cut something
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+
+
+# ------------------------------------------------------------------- one call, split, auto, bottom-right
+
+
+@pytest.mark.parametrize("prefix,seed", [(0, 0), (1, 1), (13, 2), (64, 3)])
+def test_onecall_tree_attention_equals_masked_attention(prefix, seed):
+    gen = torch.Generator().manual_seed(seed)
+    parents = random_parents(9, gen)
+    mask = tree_mask(parents)
+    q, k, v = tensors(1, 10, prefix + 10, seed)
+    want, _ = reference(q, k, v, full_tree_mask(mask, prefix + 10))
+    close(onecall_tree_attention(q, k, v, mask, SCALE), want)
+
+
+@given(rows=st.integers(1, 9), splits=st.sampled_from([1, 2, 4, 8]), width=st.sampled_from([8, 16]),
+       density=st.floats(0.0, 1.0), seed=st.integers(0, 10_000))
+@settings(max_examples=60, deadline=None)
+def test_split_attention_equals_masked_attention(rows, splits, width, density, seed):
+    """Any mask in which each row sees a key, whole splits unseen included (their rows get weight zero)."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = splits * width
+    q, k, v = tensors(1, rows, keys, seed)
+    mask = torch.rand(rows, keys, generator=gen) < density
+    mask[torch.arange(rows), torch.randint(0, keys, (rows,), generator=gen)] = True
+    want, _ = reference(q, k, v, mask)
+    close(split_attention(q, k, v, KeySplits.of(mask, Q_HEADS // KV_HEADS, splits, torch.float32), SCALE), want)
+
+
+def test_key_splits_refill_in_place():
+    """A captured step reads the same buffers every replay: fill_ must overwrite them, not rebind them."""
+    first = torch.zeros(3, 32, dtype=torch.bool)
+    first[:, 0] = True
+    second = torch.ones(3, 32, dtype=torch.bool)
+    keys = KeySplits.of(first, 2, 4, torch.float32)
+    bias, seen = keys.bias.data_ptr(), keys.seen.data_ptr()
+    assert keys.bias.shape == (4, 1, 6, 8) and keys.seen.shape == (4, 1, 6, 1)
+    assert keys.seen[0].all() and not keys.seen[1:].any()
+    keys.fill_(second, 2)
+    assert (keys.bias.data_ptr(), keys.seen.data_ptr()) == (bias, seen)
+    assert keys.seen.all() and (keys.bias == 0).all()
+
+
+def test_auto_picks_a_kernel_once_per_shape_and_keeps_it(monkeypatch):
+    monkeypatch.setattr(attention, "CHOSEN", {})
+    q, k, v = tensors(1, 5, 45, 9)
+    mask = tree_mask([-1, 0, 0, 1])
+    module = type("M", (), {"num_key_value_groups": Q_HEADS // KV_HEADS, "is_causal": True})()
+    want, _ = reference(q, k, v, full_tree_mask(mask, 45))
+    close(tree_attention("auto", module, q, k, v, mask, SCALE), want)
+    (shape, chosen), = attention.CHOSEN.items()
+    assert chosen in ("hybrid", "onecall", "masked") and shape[-1] == 64  # keys bucketed to a power of two
+    attention.CHOSEN[shape] = "masked"  # a kept choice is used as is, not timed again
+    calls = []
+    monkeypatch.setattr(attention, "masked_tree_attention", lambda *a: calls.append(1) or torch.zeros_like(q))
+    tree_attention("auto", module, q, k[:, :, :40], v[:, :, :40], mask, SCALE)
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("q_len,key_len", [(5, 5), (5, 12), (1, 9), (16, 40)])
+def test_bottom_right_causal_is_the_blockwise_prefill_mask(q_len, key_len):
+    """Blocked prefill on CUDA hands SDPA causal_lower_right; it must be the mask the other paths build."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    q, k, v = tensors(1, q_len, key_len, q_len + key_len)
+    want, _ = reference(q, k, v, window_reference_mask(q_len, key_len, None))
+    got = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q_len, key_len),
+                                                           scale=SCALE, enable_gqa=True)
+    close(got, want)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_static_steps_inside_models_equal_eager_forwards(family):
+    """The same chain and tree forwards through a static runner (padded, over a key bucket, split attention) and
+    eagerly: equal logits, equal cache length and RoPE positions, and the padding never inside the length."""
+    model = prepare(tiny(family, layers=2, heads=6, kv_heads=2, hidden=48, seed=13))
+    gen = torch.Generator().manual_seed(8)
+    prompt = torch.randint(0, VOCAB, (509,), generator=gen).tolist()  # the second tree crosses a bucket edge
+    sizes = sizes_up_to(16)
+    static = StepRunner(model, KVCache(2, capacity_for(600, sizes)), "static", sizes)
+    eager = KVCache(2)
+    for cache in (static.cache, eager):
+        forward(model, cache, prompt, torch.arange(509), AttentionPlan("prefill", "fused"))
+    for parents in ([-1, 0, 1], [-1, -1, 0, 1, 1, 2, 4, 0], []):
+        tokens = torch.randint(0, VOCAB, (len(parents),), generator=gen).tolist()
+        n = static.cache.length
+        depths = [len(path_tokens(parents, tokens, i)) for i in range(len(tokens))]
+        positions = n + torch.tensor([0, *depths])
+        plan = AttentionPlan("tree", "hybrid", tree_mask=tree_mask(parents))
+        got = static.forward([1, *tokens], positions, plan, len(tokens) + 1)
+        want = forward(model, eager, [1, *tokens], positions, plan, len(tokens) + 1)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+        assert static.cache.length == eager.length == n + len(tokens) + 1
+        assert torch.equal(static.cache.rope_positions, eager.rope_positions)
+        for cache in (static.cache, eager):  # keep the first path only, as a commit would
+            cache.keep(torch.arange(n + min(2, len(tokens) + 1)))
+    assert len(static.steps) >= 3  # forwards of 4, 16 and 1 padded tokens ran static, across two buckets

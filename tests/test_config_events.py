@@ -82,10 +82,10 @@ def test_sensible_settings_resolve():
     tree = DraftConfig(shape="tree", max_depth=4, node_budget=9, branch=2, children=3)
     assert (tree.depth, tree.budget, tree.width) == (4, 9, (2, 3))
     assert preset("specextend").draft_cache == "cmr"
-    assert preset("specextend").attention == AttentionConfig(prefill="fused", verify="hybrid")
+    assert preset("specextend").attention == AttentionConfig(prefill="fused", verify="auto", steps="auto")
     assert preset("specextend", cmr=False).draft_cache == "full"
     assert preset("speculative").draft_cache == "full"
-    assert preset("speculative").attention.verify == "masked"
+    assert preset("speculative").attention == AttentionConfig(prefill="fused", verify="masked", steps="eager")
     assert preset("speculative", cmr=True).draft_cache == "cmr"
     assert preset("streaming").draft_cache == "streaming"
     assert not preset("autoregressive").uses_draft and preset("speculative").uses_draft

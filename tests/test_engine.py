@@ -68,7 +68,7 @@ def test_greedy_equals_target(llama_pair, refs, method, draft, prompt_len):
 
 
 @pytest.mark.parametrize("prefill", ["fused", "eager"])
-@pytest.mark.parametrize("verify", ["hybrid", "masked"])
+@pytest.mark.parametrize("verify", ["hybrid", "onecall", "masked", "auto"])
 @pytest.mark.parametrize("cmr", [True, False])
 def test_every_ablation_is_lossless(llama_pair, refs, prefill, verify, cmr):
     prompt = prompt_of(203, seed=5)
@@ -76,6 +76,35 @@ def test_every_ablation_is_lossless(llama_pair, refs, prefill, verify, cmr):
                               attention=AttentionConfig(prefill=prefill, verify=verify),
                               retrieval=RetrievalConfig(chunk_size=16, top_k=3, retrieve_every=2, prefill_window=32))
     assert output(run(llama_pair, prompt, config)) == refs(prompt)
+
+
+@pytest.mark.parametrize("method", ["autoregressive", "lookup", "speculative", "streaming", "specextend", "specextend+lookup"])
+@pytest.mark.parametrize("draft", [DRAFTS[0], DRAFTS[2]], ids=["chain4", "tree10"])
+@pytest.mark.parametrize("prompt_len", [77, 500])
+def test_static_steps_are_lossless(llama_pair, refs, monkeypatch, method, draft, prompt_len):
+    """Every decode-time forward through the static runner (the code a CUDA graph captures), with retrieval
+    rebuilding the working cache and, at 500 tokens, the target's keys crossing a bucket edge mid-request."""
+    from specextend.steps import StepRunner
+
+    ran = []
+    run_static = StepRunner._run
+    monkeypatch.setattr(StepRunner, "_run", lambda self, *a: ran.append(1) or run_static(self, *a))
+    prompt = prompt_of(prompt_len, seed=prompt_len + 1)
+    name, _, lookup = method.partition("+")
+    config = preset(name, max_new_tokens=N_NEW, draft=draft, retrieval=SETTINGS[1],
+                    attention=AttentionConfig(verify="auto", steps="static"))
+    if lookup:
+        config = config.replace(lookup=replace(config.lookup, enabled=True))
+    trace = run(llama_pair, prompt, config)
+    assert output(trace) == refs(prompt)
+    assert len(ran) >= sum(isinstance(e, ev.Verified) for e in trace)  # not one step fell back to eager
+
+
+def test_captured_steps_need_cuda(llama_pair):
+    config = preset("specextend", attention=AttentionConfig(steps="captured"))
+    if llama_pair.device.type != "cuda":
+        with pytest.raises(ValueError, match="CUDA"):
+            run(llama_pair, prompt_of(20), config)
 
 
 def test_qwen2_family_is_lossless(qwen_pair):

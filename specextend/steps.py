@@ -1,0 +1,186 @@
+"""Captured steps: decode-time forwards with static shapes, captured once as CUDA graphs and replayed.
+
+A `StepRunner` serves one model and its KV cache. A decode-time forward of T new tokens (a verification
+tree, a draft chain or tree level) is padded to the next allowed size P; its keys go to slots a tensor
+holds, and it attends over a key bucket (the slots in use, rounded up to a multiple of BUCKET) under a
+mask that hides the unused slots, shows each padding row only itself, and applies the tree mask. Nothing
+in that forward depends on the cache's length, so on CUDA each (P, bucket) forward is captured once as a
+CUDA graph and then replayed with new buffer contents; CMR's working-cache rebuilds and the cache verbs
+only change buffer contents and lengths, never a captured shape. In "static" mode the same forward runs
+eagerly: the path the CPU tests check. Prefill, and any forward that does not fit the buffers, runs the
+eager way (models.forward).
+Knows models, caches and CUDA graphs; knows nothing of drafting, verification or retrieval.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from .attention import AttentionPlan, KeySplits
+from .cache import KVCache
+from .models import forward
+
+BUCKET = 512  # key slots are attended in multiples of this
+KEEP = 8  # captured steps a runner keeps; the least recently used goes first
+MODES = ("eager", "static", "captured")
+
+
+def resolve_mode(mode: str, device: torch.device) -> str:
+    """"auto" is "captured" on CUDA and "eager" elsewhere; "captured" needs CUDA."""
+    if mode == "auto":
+        return "captured" if device.type == "cuda" else "eager"
+    if mode not in MODES:
+        raise ValueError(f"steps must be auto, {', '.join(MODES)}; got {mode!r}")
+    if mode == "captured" and device.type != "cuda":
+        raise ValueError("captured steps need a CUDA device; use steps 'static' or 'eager' here")
+    return mode
+
+
+def sizes_up_to(n: int) -> tuple[int, ...]:
+    """The padded sizes a runner may use: powers of two up to the first >= n."""
+    out = [1]
+    while out[-1] < n:
+        out.append(out[-1] * 2)
+    return tuple(out)
+
+
+def splits_for(bucket: int) -> int:
+    """Key splits per attention call: about 256 keys each, at most 16 (a power of two, so it divides the bucket)."""
+    splits = 1
+    while splits < 16 and bucket // (2 * splits) >= 256:
+        splits *= 2
+    return splits
+
+
+def capacity_for(room: int, sizes: tuple[int, ...]) -> int:
+    """Cache slots to preallocate so every static forward fits: room for the padding, in whole buckets."""
+    need = room + max(sizes)
+    return -(-need // BUCKET) * BUCKET
+
+
+def make_runner(model, capacity: int, steps: str, largest: int, fixed: bool = False) -> StepRunner:
+    """A KV cache for `capacity` tokens and the runner over it, for forwards of up to `largest` new tokens: padded
+    to a power of two, or (`fixed`) every forward of more than one token padded to the same size."""
+    device = model.get_input_embeddings().weight.device
+    mode = resolve_mode(steps, device)
+    sizes = sizes_up_to(largest)
+    if fixed:
+        sizes = tuple(sorted({1, sizes[-1]}))
+    layers = model.config.num_hidden_layers
+    return StepRunner(model, KVCache(layers, capacity if mode == "eager" else capacity_for(capacity, sizes)), mode, sizes)
+
+
+@dataclass
+class Step:
+    """The static buffers of one (P, bucket) forward, and its CUDA graph once captured."""
+
+    ids: torch.Tensor  # (1, P) token ids
+    positions: torch.Tensor  # (1, P) RoPE positions
+    slots: torch.Tensor  # (P,) cache slots the new keys go to
+    keys: KeySplits  # the mask over the bucket
+    bucket: int
+    logits: torch.Tensor | None = None  # (P, V): the captured forward's output
+    graph: torch.cuda.CUDAGraph | None = None
+    queries: dict[int, torch.Tensor] = field(default_factory=dict)  # the captured forward's query tensors
+
+
+class StepRunner:
+    """Runs one model's forwards over its cache: eagerly, or from static buffers (captured on CUDA)."""
+
+    def __init__(self, model, cache: KVCache, mode: str, sizes: tuple[int, ...]) -> None:
+        self.model, self.cache, self.mode, self.sizes = model, cache, mode, sizes
+        c = model.config
+        self.groups = c.num_attention_heads // (getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
+        self.device = model.get_input_embeddings().weight.device
+        self.dtype = model.get_input_embeddings().weight.dtype
+        self.steps: OrderedDict[tuple, Step] = OrderedDict()
+        self.captures = 0  # forwards captured so far (each a new (P, bucket) shape)
+
+    def forward(self, tokens: list[int], positions: torch.Tensor, plan: AttentionPlan, keep: int) -> torch.Tensor:
+        """Run `tokens` at `positions` (appending their KV): logits of the last `keep` tokens (keep, V), fp32 on CPU."""
+        t = len(tokens)
+        size = next((s for s in self.sizes if s >= t), None)
+        layer = self.cache.layers[0]
+        base = self.cache.length
+        if (self.mode == "eager" or plan.kind != "tree" or size is None or not layer.is_initialized
+                or base + size > layer.keys.shape[2]):
+            return forward(self.model, self.cache, tokens, positions, plan, keep)
+        bucket = min(-(-(base + size) // BUCKET) * BUCKET, layer.keys.shape[2])
+        step = self._step(size, bucket, layer.keys.data_ptr())
+        self._fill(step, tokens, positions, plan.tree_mask, base)
+        static = replace(plan, kind="static", kernel="split", tree_mask=None, keys=step.keys)
+        if self.mode == "static":
+            logits = self._run(step, static)
+        else:
+            if step.graph is None:
+                self._capture(step, static)
+            step.graph.replay()
+            logits = step.logits
+            if plan.capture is not None:
+                plan.capture.queries.update(step.queries)
+        for kv in self.cache.layers:
+            kv.length = base + t
+        self.cache.note_appended(positions)
+        return logits[t - keep : t].float().cpu()
+
+    def _step(self, size: int, bucket: int, buffer: int) -> Step:
+        key = (size, bucket, buffer)  # a reallocated cache buffer makes every step captured over the old one stale
+        if key in self.steps:
+            self.steps.move_to_end(key)
+            return self.steps[key]
+        mask = torch.zeros(size, bucket, dtype=torch.bool, device=self.device)
+        new = lambda: torch.zeros(1, size, dtype=torch.long, device=self.device)  # noqa: E731
+        step = Step(new(), new(), torch.arange(size, device=self.device),
+                    KeySplits.of(mask, self.groups, splits_for(bucket), self.dtype), bucket)
+        self.steps[key] = step
+        if len(self.steps) > KEEP:
+            self.steps.popitem(last=False)
+        return step
+
+    def _fill(self, step: Step, tokens: list[int], positions: torch.Tensor, tree_mask: torch.Tensor, base: int) -> None:
+        """Load one forward's inputs and mask into the step's buffers. Padding rows repeat the last token at its
+        position and write to the slots after the real ones, which stay outside the cache's length."""
+        t, size = len(tokens), step.ids.shape[1]
+        ids = torch.tensor(tokens + tokens[-1:] * (size - t), dtype=torch.long)
+        pos = torch.cat([positions, positions[-1:].expand(size - t)])
+        step.ids.copy_(ids[None], non_blocking=True)
+        step.positions.copy_(pos[None], non_blocking=True)
+        step.slots.copy_(torch.arange(base, base + size), non_blocking=True)
+        tail = tree_mask.shape[1]
+        prefix = base + t - tail
+        mask = torch.zeros(size, step.bucket, dtype=torch.bool, device=self.device)  # (P, bucket)
+        mask[:t, :prefix] = True
+        mask[:t, prefix : base + t] = tree_mask.to(self.device)
+        pad = torch.arange(t, size, device=self.device)
+        mask[pad, base + pad] = True
+        step.keys.fill_(mask, self.groups)
+
+    @torch.no_grad()
+    def _run(self, step: Step, plan: AttentionPlan) -> torch.Tensor:
+        """The static forward: logits (P, V)."""
+        for kv in self.cache.layers:
+            kv.static = (step.slots, step.bucket)
+        try:
+            out = self.model(input_ids=step.ids, position_ids=step.positions, cache=self.cache, use_cache=True,
+                             attention_plan=plan, logits_to_keep=0)
+        finally:
+            for kv in self.cache.layers:
+                kv.static = None
+        return out.logits[0]
+
+    def _capture(self, step: Step, plan: AttentionPlan) -> None:
+        """Warm the forward up on a side stream (lazy kernel set-up must not happen in a capture), then capture it."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._run(step, plan)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        step.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(step.graph):
+            step.logits = self._run(step, plan)
+        if plan.capture is not None:
+            step.queries = {layer: plan.capture.queries[layer] for layer in plan.capture.layers}
+        self.captures += 1
