@@ -201,7 +201,7 @@ def split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     enough splits every SM gets work even for one query row (flash-decoding); the shapes never depend on how
     many keys the mask shows, so the call can be captured."""
     splits, q_heads, kv_heads = keys.bias.shape[0], query.shape[1], key.shape[1]
-    q = fold_heads(query, kv_heads).expand(splits, -1, -1, -1)  # (S, H_kv, G*T_q, D)
+    q = fold_heads(query, kv_heads).expand(splits, -1, -1, -1).contiguous()  # (S, H_kv, G*T_q, D)
     k = key[0].unflatten(1, (splits, -1)).transpose(0, 1)  # (S, H_kv, T_k/S, D), a view
     v = value[0].unflatten(1, (splits, -1)).transpose(0, 1)
     out, lse = fused_attention_with_lse(q, k, v, scale, keys.bias)  # (S, H_kv, G*T_q, D), (S, H_kv, G*T_q)

@@ -129,27 +129,35 @@ def heads_signal(shape, n: int = 8, rows: int = 32) -> RetrievalSignal:
     return RetrievalSignal(f"{n} heads", layers=(), heads=picks, rows=rows, reserve=0.25)
 
 
-def check_lossless(device, prompt_len: int, new_tokens: int) -> dict:
-    """Greedy output of every method (lookup drafting alone and added to SpecExtend too) equals the
-    autoregressive target's, fp32 on the device."""
+def check_lossless(device, prompt_len: int, new_tokens: int, steps: tuple[str, ...] = ("eager",)) -> dict:
+    """Greedy output of every method (lookup drafting alone and added to SpecExtend too), every tree kernel, and
+    each of `steps`, equals the autoregressive target's (eager), fp32 on the device."""
     pair = make_pair(llama((4, 256, 8, 2, 512), 1000, torch.float32, device, 1),
                      llama((1, 128, 4, 1, 256), 1000, torch.float32, device, 2))
     prompt = torch.randint(0, 1000, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     retrieval = RetrievalConfig(chunk_size=32, top_k=8, retrieve_every=2, prefill_window=128)
     configs = {}
-    for method in ("speculative", "streaming", "specextend"):
-        for shape in ("chain", "tree"):
-            for verify in ("hybrid", "masked"):
-                config = preset(method, max_new_tokens=new_tokens, draft=DraftConfig(shape=shape), retrieval=retrieval)
-                configs[f"{method}/{shape}/{verify}"] = config.replace(attention=AttentionConfig("fused", verify))
-    for signal in (PAPER, UNCALIBRATED, heads_signal((4, 256, 8, 2, 512))):
-        configs[f"specextend/signal {signal.name}"] = preset("specextend", max_new_tokens=new_tokens,
-                                                             retrieval=replace(retrieval, signal=signal))
-    configs["lookup"] = preset("lookup", max_new_tokens=new_tokens)
-    configs["specextend+lookup"] = preset("specextend", max_new_tokens=new_tokens, retrieval=retrieval,
-                                          lookup=LookupConfig(enabled=True))
+    for step_mode in steps:
+        configs[f"autoregressive/{step_mode}"] = preset("autoregressive", max_new_tokens=new_tokens,
+                                                        attention=AttentionConfig("fused", "auto", step_mode))
+        for method in ("speculative", "streaming", "specextend"):
+            for shape in ("chain", "tree"):
+                for verify in ("hybrid", "onecall", "masked", "auto"):
+                    config = preset(method, max_new_tokens=new_tokens, draft=DraftConfig(shape=shape), retrieval=retrieval)
+                    configs[f"{method}/{shape}/{verify}/{step_mode}"] = config.replace(
+                        attention=AttentionConfig("fused", verify, step_mode))
+        for signal in (PAPER, UNCALIBRATED, heads_signal((4, 256, 8, 2, 512))):
+            configs[f"specextend/signal {signal.name}/{step_mode}"] = preset(
+                "specextend", max_new_tokens=new_tokens, retrieval=replace(retrieval, signal=signal),
+                attention=AttentionConfig("fused", "auto", step_mode))
+        configs[f"lookup/{step_mode}"] = preset("lookup", max_new_tokens=new_tokens,
+                                                attention=AttentionConfig("fused", "auto", step_mode))
+        configs[f"specextend+lookup/{step_mode}"] = preset(
+            "specextend", max_new_tokens=new_tokens, retrieval=retrieval, lookup=LookupConfig(enabled=True),
+            attention=AttentionConfig("fused", "auto", step_mode))
+    eager = AttentionConfig("fused", "hybrid", "eager")
     with exact_matmuls():
-        ref = list(list(generate(pair, prompt, preset("autoregressive", max_new_tokens=new_tokens)))[-1].token_ids)
+        ref = list(list(generate(pair, prompt, preset("autoregressive", max_new_tokens=new_tokens, attention=eager)))[-1].token_ids)
         return {name: list(list(generate(pair, prompt, config))[-1].token_ids) == ref for name, config in configs.items()}
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
@@ -23,6 +24,9 @@ from .config import RetrievalSignal
 from .cache import KVCache
 
 SUPPORTED = ("llama", "qwen2", "mistral")
+# the engine hands models its cache as `cache=`: transformers before 5.24 named it `past_key_values` and would
+# silently run every forward without the cache
+TRANSFORMERS_MIN = (5, 24)
 DRAFT_VOCAB_FILE = "draft_vocab.json"  # a model folder's output vocabulary, {"size": N, "ids": [...]}
 SHARED_EMBEDDING = "shared_embedding"  # config key of a draft cut from its target: it takes the target's embedding
 # CPU default: fp32. On the project's AVX2 machine (no native bf16) a bf16 forward of the 135M target ran
@@ -238,9 +242,18 @@ def prepare(model: PreTrainedModel) -> PreTrainedModel:
     return model.eval()
 
 
+def check_transformers(version: str = transformers.__version__) -> None:
+    """Refuse a transformers older than the engine's calling convention."""
+    found = tuple(int(part) for part in version.split(".")[:2])
+    if found < TRANSFORMERS_MIN:
+        raise RuntimeError(f"transformers {version} is too old: the engine needs {'.'.join(map(str, TRANSFORMERS_MIN))} "
+                           "or newer (pip install -r requirements.txt)")
+
+
 def make_pair(target: PreTrainedModel, draft: PreTrainedModel | None, load_s: float = 0.0,
               calibrated: RetrievalSignal | None = None) -> ModelPair:
     """A pair from models already in memory (tests build tiny ones from configs)."""
+    check_transformers()
     prepare(target)
     if draft is not None:
         prepare(draft)

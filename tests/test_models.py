@@ -86,3 +86,12 @@ def test_reduced_vocab_draft_loads_drafts_only_its_tokens_and_stays_lossless(tmp
             assert list(trace[-1].token_ids) == ref, (method, shape)
             drafted = {t for e in trace if isinstance(e, Drafted) for t in e.tokens}
             assert drafted and drafted <= set(ids), (method, shape)
+
+
+def test_an_older_transformers_is_refused_with_a_clear_message():
+    from specextend.models import check_transformers
+
+    check_transformers("5.24.0")
+    check_transformers("6.1.0")
+    with pytest.raises(RuntimeError, match="5.17.0 is too old"):
+        check_transformers("5.17.0")
