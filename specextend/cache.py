@@ -117,9 +117,10 @@ class KVCache(Cache):
     def gather(self, slots: torch.Tensor) -> KV:
         """Copies of the keys and values at `slots` (a 1-D LongTensor), per layer."""
         out = []
+        index = slots
         for layer in self.layers:
             keys, values = layer.filled()
-            index = slots.to(keys.device)
+            index = index.to(keys.device)  # moved once (layers share a device unless the model is spread)
             out.append((keys.index_select(2, index), values.index_select(2, index)))
         return out
 

@@ -22,7 +22,7 @@ from .events import Drafted, Event, Finished, Prefilled, Prefilling, Retrieved, 
 from .models import ModelPair, final_layer
 from .retrieval import make_policy
 from .signal import QueryWindow, combine, head_scores, kv_heads_of, resolve
-from .steps import make_runner
+from .steps import make_runner, release
 from .verification import sampling_probs, verify_greedy, verify_sampling
 
 PREFILL_BLOCK = 2048  # target prefill block: bounds memory and lets Stop act between blocks
@@ -137,70 +137,76 @@ def generate(
     drafter = drafter or make_drafter(pair, config, room)
     scored = drafter is not None and drafter.policy.needs_scores
     target = Target(pair.target, config, room, signal if scored else None)
-    yield Started(clock(), 0.0, config.method, tuple(prompt), asdict(config), pair.target.config.num_hidden_layers,
-                  pair.draft.config.num_hidden_layers if drafter is not None and pair.draft is not None else 0,
-                  str(pair.device), str(pair.dtype).replace("torch.", ""))
+    try:
+        yield Started(clock(), 0.0, config.method, tuple(prompt), asdict(config), pair.target.config.num_hidden_layers,
+                      pair.draft.config.num_hidden_layers if drafter is not None and pair.draft is not None else 0,
+                      str(pair.device), str(pair.dtype).replace("torch.", ""))
 
-    # 1) prefill the target (fused kernel) and the draft (sliding window, per its policy)
-    phase = clock()
-    for done in target.prefill(prompt, stop):
-        sync()
-        yield Prefilling(clock(), clock() - phase, "target", done, len(prompt))
-    target_s = clock() - phase
-    phase = clock()
-    for done in drafter.prefill(prompt, stop) if drafter is not None else ():
-        sync()
-        yield Prefilling(clock(), clock() - phase, "draft", done, len(prompt) - 1)
-    draft_s = clock() - phase
-    if stop is not None and stop.is_set():
-        yield Finished(clock(), clock(), (), "stopped", 0, len(prompt), "stopped during prefill")
-        return
-    first = pick(target.logits, config, generator)
-    out = cut([first], 0, config)
-    if drafter is not None:
-        drafter.commit([first])
-    yield Prefilled(clock(), target_s + draft_s, len(prompt), target_s, draft_s, first)
-    if drafter is not None and drafter.policy.name != "full":
-        yield retrieve(drafter, target, 0, config, clock, sync)
-
-    # 2) draft, verify, commit, retrieve: until max_new_tokens, EOS or stop
-    step = 0
-    while (reason := finished_reason(out, config)) is None:
-        if stop is not None and stop.is_set():
-            reason = "stopped"
-            break
-        step += 1
-        position = len(prompt) + len(out) - 1  # the root: the last committed token
-        left = config.max_new_tokens - len(out) - 1  # tokens a tree may add before the bonus token
-        tree = DraftTree.empty()
-        if drafter is not None and left > 0:  # a) the draft (from its working cache) and lookup propose
-            phase = clock()
-            tree = drafter.propose(left, generator)
+        # 1) prefill the target (fused kernel) and the draft (sliding window, per its policy)
+        phase = clock()
+        for done in target.prefill(prompt, stop):
             sync()
-            yield Drafted(clock(), clock() - phase, step, position, tree.tokens, tree.parents, tree.probs, tree.forwards,
-                          tree.sources, tree.origins)
-        phase = clock()  # b) the target verifies the whole tree in one forward
-        logits = target.verify(out[-1], tree)
-        if config.greedy:
-            path, bonus = verify_greedy(tree.parents, tree.tokens, logits.argmax(dim=-1).tolist())
-        else:
-            p = sampling_probs(logits, config.temperature, config.top_p)
-            q = tree.q if tree.q is not None else torch.zeros_like(p)
-            path, bonus = verify_sampling(tree.parents, tree.tokens, p, q, generator, tree.point)
-        target.commit(path)  # c) keep the accepted path and the bonus token; drop rejected KV
+            yield Prefilling(clock(), clock() - phase, "target", done, len(prompt))
+        target_s = clock() - phase
+        phase = clock()
+        for done in drafter.prefill(prompt, stop) if drafter is not None else ():
+            sync()
+            yield Prefilling(clock(), clock() - phase, "draft", done, len(prompt) - 1)
+        draft_s = clock() - phase
+        if stop is not None and stop.is_set():
+            yield Finished(clock(), clock(), (), "stopped", 0, len(prompt), "stopped during prefill")
+            return
+        first = pick(target.logits, config, generator)
+        out = cut([first], 0, config)
         if drafter is not None:
-            drafter.commit([tree.tokens[n] for n in path] + [bonus])
-        sync()
-        committed = cut([tree.tokens[n] for n in path] + [bonus], len(out), config)
-        out.extend(committed)
-        accepted = tuple(i in path for i in range(len(tree.tokens)))
-        yield Verified(clock(), clock() - phase, step, position + 1, tuple(path), accepted, len(path), bonus,
-                       tuple(committed), len(out))
-        if drafter is not None:
-            drafter.policy.observe(len(path), max(tree.depths, default=0))
-        if drafter is not None and drafter.policy.due(step, drafter.working_len):  # d) retrieval
-            yield retrieve(drafter, target, step, config, clock, sync)
-    yield Finished(clock(), clock(), tuple(out), reason, step, len(prompt))
+            drafter.commit([first])
+        yield Prefilled(clock(), target_s + draft_s, len(prompt), target_s, draft_s, first)
+        if drafter is not None and drafter.policy.name != "full":
+            yield retrieve(drafter, target, 0, config, clock, sync)
+
+        # 2) draft, verify, commit, retrieve: until max_new_tokens, EOS or stop
+        step = 0
+        while (reason := finished_reason(out, config)) is None:
+            if stop is not None and stop.is_set():
+                reason = "stopped"
+                break
+            step += 1
+            position = len(prompt) + len(out) - 1  # the root: the last committed token
+            left = config.max_new_tokens - len(out) - 1  # tokens a tree may add before the bonus token
+            tree = DraftTree.empty()
+            if drafter is not None and left > 0:  # a) the draft (from its working cache) and lookup propose
+                phase = clock()
+                tree = drafter.propose(left, generator)
+                sync()
+                yield Drafted(clock(), clock() - phase, step, position, tree.tokens, tree.parents, tree.probs, tree.forwards,
+                              tree.sources, tree.origins)
+            phase = clock()  # b) the target verifies the whole tree in one forward
+            logits = target.verify(out[-1], tree)
+            if config.greedy:
+                path, bonus = verify_greedy(tree.parents, tree.tokens, logits.argmax(dim=-1).tolist())
+            else:
+                p = sampling_probs(logits, config.temperature, config.top_p)
+                q = tree.q if tree.q is not None else torch.zeros_like(p)
+                path, bonus = verify_sampling(tree.parents, tree.tokens, p, q, generator, tree.point)
+            target.commit(path)  # c) keep the accepted path and the bonus token; drop rejected KV
+            if drafter is not None:
+                drafter.commit([tree.tokens[n] for n in path] + [bonus])
+            sync()
+            committed = cut([tree.tokens[n] for n in path] + [bonus], len(out), config)
+            out.extend(committed)
+            accepted = tuple(i in path for i in range(len(tree.tokens)))
+            yield Verified(clock(), clock() - phase, step, position + 1, tuple(path), accepted, len(path), bonus,
+                           tuple(committed), len(out))
+            if drafter is not None:
+                drafter.policy.observe(len(path), max(tree.depths, default=0))
+            if drafter is not None and drafter.policy.due(step, drafter.working_len):  # d) retrieval
+                yield retrieve(drafter, target, step, config, clock, sync)
+        yield Finished(clock(), clock(), tuple(out), reason, step, len(prompt))
+    finally:  # captured steps are kept for the next request (steps.py)
+        release(target.runner)
+        model = drafter.model if isinstance(drafter, MergedDrafter) else drafter
+        if isinstance(model, ModelDrafter):
+            release(model.runner)
 
 
 def pick(logits: torch.Tensor, config: GenerationConfig, generator: torch.Generator | None) -> int:

@@ -164,8 +164,84 @@ def bench_steps(models: dict, device, lengths: list[int], vocab: int, fast: str,
     return {"rows": rows, "curve": curve, "working": working}
 
 
+def device_us(event) -> float:
+    """A profiler event's own time on the device (the CPU's, when the CPU is the device), in microseconds."""
+    if event.device_type == torch.autograd.DeviceType.CPU:
+        return event.self_cpu_time_total if not torch.cuda.is_available() else 0.0
+    return getattr(event, "self_device_time_total", 0.0)
+
+
+def profile_steps(target, device, length: int, vocab: int, fast: str, repeats: int = 5) -> dict:
+    """Where a step's device time goes, per step: the total, the kernel count and the costliest kernels, for the
+    autoregressive step and the 32-token verification, static (every kernel visible) and captured."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sizes = (1, NODES + 1)
+    cache = KVCache(target.config.num_hidden_layers, capacity_for(length + 64, sizes))
+    prefill_to(target, cache, length, vocab)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    out = {}
+    for mode in dict.fromkeys(("static", fast)):
+        runner = StepRunner(target, cache, mode, sizes)
+        for nodes in (0, NODES):
+            step_ms(runner, nodes, "hybrid", device)  # warm: captures, kernel set-up
+            with profile(activities=activities) as prof:
+                step_ms(runner, nodes, "hybrid", device)
+            events = [e for e in prof.key_averages() if device_us(e) > 0]
+            calls = 13  # step_ms runs 3 warm-ups and 10 timed steps
+            top = sorted(events, key=device_us, reverse=True)[:10]
+            out[f"{mode} {nodes + 1} tokens"] = {
+                "device_ms": sum(map(device_us, events)) / calls / 1e3,
+                "kernels": sum(e.count for e in events) / calls,
+                "top": [(e.key[:70], round(device_us(e) / calls / 1e3, 3), round(e.count / calls, 1)) for e in top]}
+    return out
+
+
+class FusedRMSNorm(torch.nn.Module):
+    """An RMSNorm (the models' own formula: fp32 inside, weight times the result cast back) in fewer kernels:
+    `torch.nn.functional.rms_norm`, or that whole formula compiled into one kernel. Swapped in by class."""
+
+    compiled = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if FusedRMSNorm.compiled is not None:
+            return FusedRMSNorm.compiled(x, self.weight, self.variance_epsilon)
+        return self.weight * torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.variance_epsilon).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def bench_norms(target, device, length: int, vocab: int, fast: str) -> dict:
+    """The captured steps with the models' RMSNorms in fewer kernels: an experiment for choosing what to fuse."""
+    sizes = (1, NODES + 1)
+    cache = KVCache(target.config.num_hidden_layers, capacity_for(length + 64, sizes))
+    prefill_to(target, cache, length, vocab)
+    norms = [m for m in target.modules() if type(m).__name__.endswith("RMSNorm")]
+    original = type(norms[0])
+    out = {}
+    try:
+        for variant in ("as loaded", "rms_norm", "compiled"):
+            if variant != "as loaded":
+                for m in norms:
+                    m.__class__ = FusedRMSNorm
+            start = time.perf_counter()
+            if variant == "compiled":
+                FusedRMSNorm.compiled = torch.compile(rms_norm, dynamic=False)
+            runner = StepRunner(target, cache, fast, sizes)
+            out[variant] = {"ar_ms": step_ms(runner, 0, "hybrid", device), "verify_ms": step_ms(runner, NODES, "hybrid", device),
+                            "first_s": time.perf_counter() - start}
+    finally:
+        FusedRMSNorm.compiled = None
+        for m in norms:
+            m.__class__ = original
+    return out
+
+
 def bench_engine(models: dict, device, length: int, vocab: int) -> dict:
-    """The whole loop at one length, 32 new tokens, the 1B-like draft: per-phase ms per step."""
+    """The whole loop at one length, 32 new tokens, the 1B-like draft: per-phase ms per step. Each method runs
+    twice; the first run's seconds show what a first request pays (captures, kernel choices)."""
     pair = make_pair(models["target"], models["draft 1B"])
     prompt = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(7)).tolist()
     tree = DraftConfig(shape="tree", max_depth=5, node_budget=NODES, branch=4, children=4)
@@ -176,10 +252,14 @@ def bench_engine(models: dict, device, length: int, vocab: int) -> dict:
                "specextend": preset("specextend", draft=tree, retrieval=RetrievalConfig())}
     out = {}
     for name, config in configs.items():
-        runs = [summarize(list(generate(pair, prompt, config.replace(max_new_tokens=32)))) for _ in range(2)]
+        runs, seconds = [], []
+        for _ in range(2):
+            start = time.perf_counter()
+            runs.append(summarize(list(generate(pair, prompt, config.replace(max_new_tokens=32)))))
+            seconds.append(time.perf_counter() - start)
         s = runs[-1]  # the first run warms up (captures, kernel choices)
         steps = max(s.steps, 1)
-        out[name] = {"steps": s.steps, "verify_ms": 1e3 * s.phase_seconds["verification"] / steps,
+        out[name] = {"steps": s.steps, "first_run_s": seconds[0], "second_run_s": seconds[1], "verify_ms": 1e3 * s.phase_seconds["verification"] / steps,
                      "draft_ms": 1e3 * s.phase_seconds["drafting"] / steps,
                      "retrieval_ms": 1e3 * s.phase_seconds["retrieval"] / steps,
                      "prefill_s": s.phase_seconds["target_prefill"] + s.phase_seconds["draft_prefill"]}
@@ -239,10 +319,22 @@ def markdown(report: dict, fast: str) -> str:
         lines.append("")
     if "engine" in report:
         lines += [f"## The whole loop at {report.get('middle')} tokens, 32 new tokens (ms per step)", "",
-                  "| method | steps | verify | draft | retrieval | prefill s |", "|---|---|---|---|---|---|"]
+                  "| method | steps | verify | draft | retrieval | prefill s | first run s | second run s |",
+                  "|---|---|---|---|---|---|---|---|"]
         for name, e in report["engine"].items():
-            lines.append(f"| {name} | {e['steps']} | {e['verify_ms']:.2f} | {e['draft_ms']:.2f} | {e['retrieval_ms']:.2f} | {e['prefill_s']:.2f} |")
+            lines.append(f"| {name} | {e['steps']} | {e['verify_ms']:.2f} | {e['draft_ms']:.2f} | {e['retrieval_ms']:.2f} | "
+                         f"{e['prefill_s']:.2f} | {e['first_run_s']:.2f} | {e['second_run_s']:.2f} |")
         lines.append("")
+    if "profile" in report:
+        lines += [f"## Where a step's device time goes, at {report.get('middle')} tokens (per step)", ""]
+        for name, p in report["profile"].items():
+            lines.append(f"- {name}: {p['device_ms']:.2f} ms on the device in {p['kernels']:.0f} kernels; costliest: "
+                         + "; ".join(f"{k} {ms:.3f} ms x{n}" for k, ms, n in p["top"][:6]))
+        lines.append("")
+    if "norms" in report:
+        lines += ["## RMSNorm in fewer kernels (captured steps, ms)", ""] + [
+            f"- {k}: AR {v['ar_ms']:.2f}, {NODES + 1}-token verify {v['verify_ms']:.2f}, first use {v['first_s']:.1f} s"
+            for k, v in report["norms"].items()] + [""]
     if "projection" in report:
         lines += ["## PROJECTION (not measured): speedup over autoregressive at tau tokens per step", "",
                   "Five draft forwards over the working cache plus one captured verification, against the captured "
@@ -295,6 +387,9 @@ def main(argv=None) -> int:
     if "steps" in report:
         report["projection"] = project(report["steps"], fast, report["middle"])
     section("engine", lambda: bench_engine(models, device, report["middle"], vocab))
+    section("profile", lambda: profile_steps(models["target"], device, report["middle"], vocab, fast))
+    if not quick:  # an experiment for GPUs (compiling on a CPU takes longer than the whole quick run)
+        section("norms", lambda: bench_norms(models["target"], device, report["middle"], vocab, fast))
     report["criteria"] = criteria(report, fast)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

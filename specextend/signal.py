@@ -38,6 +38,7 @@ class QueryWindow:
         self.rows = rows
         self.queries: dict[int, torch.Tensor] = {}
         self.positions = torch.zeros(0, dtype=torch.long)
+        self._index: dict[tuple, torch.Tensor] = {}  # head lists as index tensors, on the queries' device
 
     @property
     def layers(self) -> frozenset[int]:
@@ -46,9 +47,13 @@ class QueryWindow:
     def push(self, queries: dict[int, torch.Tensor], rows: torch.Tensor, positions: torch.Tensor) -> None:
         """Add rows `rows` (indices into each forward's T_q) of queries {layer: (1, H_q, T_q, D)} at `positions`."""
         rows = rows[-self.rows :]
+        device = next(iter(queries.values())).device
+        rows = rows.to(device)
         for layer, heads in self.heads.items():
-            q = queries[layer][0, list(heads)]  # (H_sel, T_q, D)
-            new = q.index_select(1, rows.to(q.device))
+            index = self._index.get((heads, device))
+            if index is None:
+                index = self._index[(heads, device)] = torch.tensor(heads, device=device)
+            new = queries[layer][0].index_select(0, index).index_select(1, rows)  # (H_sel, rows, D)
             old = self.queries.get(layer)
             joined = new if old is None else torch.cat([old, new], dim=1)
             self.queries[layer] = joined[:, -self.rows :]

@@ -14,6 +14,7 @@ Knows models, caches and CUDA graphs; knows nothing of drafting, verification or
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
@@ -26,6 +27,10 @@ from .models import forward
 BUCKET = 512  # key slots are attended in multiples of this
 KEEP = 8  # captured steps a runner keeps; the least recently used goes first
 MODES = ("eager", "static", "captured")
+# captured runners between requests, one per (model, sizes): a request takes the one whose cache is large enough
+# and gives it back when it ends, so each step shape is captured once per process rather than once per request
+_FREE: dict[tuple, StepRunner] = {}
+_FREE_LOCK = threading.Lock()
 
 
 def resolve_mode(mode: str, device: torch.device) -> str:
@@ -69,8 +74,25 @@ def make_runner(model, capacity: int, steps: str, largest: int, fixed: bool = Fa
     sizes = sizes_up_to(largest)
     if fixed:
         sizes = tuple(sorted({1, sizes[-1]}))
-    layers = model.config.num_hidden_layers
-    return StepRunner(model, KVCache(layers, capacity if mode == "eager" else capacity_for(capacity, sizes)), mode, sizes)
+    slots = capacity if mode == "eager" else capacity_for(capacity, sizes)
+    if mode == "captured":
+        with _FREE_LOCK:
+            runner = _FREE.pop((id(model), sizes), None)
+        if runner is not None and runner.slots >= slots:
+            runner.cache.crop(0)
+            return runner
+    return StepRunner(model, KVCache(model.config.num_hidden_layers, slots), mode, sizes)
+
+
+def release(runner: StepRunner) -> None:
+    """A request is done with `runner`: keep it (the largest per model and sizes) when its steps are captured."""
+    if runner.mode != "captured":
+        return
+    key = (id(runner.model), runner.sizes)
+    with _FREE_LOCK:
+        held = _FREE.get(key)
+        if held is None or held.slots < runner.slots:
+            _FREE[key] = runner
 
 
 @dataclass
@@ -99,6 +121,12 @@ class StepRunner:
         self.steps: OrderedDict[tuple, Step] = OrderedDict()
         self.captures = 0  # forwards captured so far (each a new (P, bucket) shape)
 
+    @property
+    def slots(self) -> int:
+        """The cache's preallocated slots."""
+        layer = self.cache.layers[0]
+        return layer.keys.shape[2] if layer.is_initialized else layer.capacity
+
     def forward(self, tokens: list[int], positions: torch.Tensor, plan: AttentionPlan, keep: int) -> torch.Tensor:
         """Run `tokens` at `positions` (appending their KV): logits of the last `keep` tokens (keep, V), fp32 on CPU."""
         t = len(tokens)
@@ -109,7 +137,7 @@ class StepRunner:
                 or base + size > layer.keys.shape[2]):
             return forward(self.model, self.cache, tokens, positions, plan, keep)
         bucket = min(-(-(base + size) // BUCKET) * BUCKET, layer.keys.shape[2])
-        step = self._step(size, bucket, layer.keys.data_ptr())
+        step = self._step(size, bucket, layer.keys.data_ptr(), plan.capture.layers if plan.capture is not None else None)
         self._fill(step, tokens, positions, plan.tree_mask, base)
         static = replace(plan, kind="static", kernel="split", tree_mask=None, keys=step.keys)
         if self.mode == "static":
@@ -126,8 +154,10 @@ class StepRunner:
         self.cache.note_appended(positions)
         return logits[t - keep : t].float().cpu()
 
-    def _step(self, size: int, bucket: int, buffer: int) -> Step:
-        key = (size, bucket, buffer)  # a reallocated cache buffer makes every step captured over the old one stale
+    def _step(self, size: int, bucket: int, buffer: int, layers: frozenset[int] | None) -> Step:
+        # a reallocated cache buffer makes every step captured over the old one stale; a step captured for some
+        # layers' queries serves only requests that keep the same layers' queries
+        key = (size, bucket, buffer, layers)
         if key in self.steps:
             self.steps.move_to_end(key)
             return self.steps[key]
