@@ -52,10 +52,12 @@ def sizes_up_to(n: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def splits_for(bucket: int) -> int:
-    """Key splits per attention call: about 256 keys each, at most 16 (a power of two, so it divides the bucket)."""
+def splits_for(bucket: int, rows: int) -> int:
+    """Key splits per attention call over `rows` folded query rows: a power of two up to 32 (so a bucket's splits
+    stay 16-aligned), each of at least 256 keys, and at most 2048 rows over all splits (the merge's traffic).
+    One query row over 16K keys in 32 splits keeps every SM of an H200 reading keys."""
     splits = 1
-    while splits < 16 and bucket // (2 * splits) >= 256:
+    while splits < 32 and bucket // (2 * splits) >= 256 and 2 * splits * rows <= 2048:
         splits *= 2
     return splits
 
@@ -164,7 +166,7 @@ class StepRunner:
         mask = torch.zeros(size, bucket, dtype=torch.bool, device=self.device)
         new = lambda: torch.zeros(1, size, dtype=torch.long, device=self.device)  # noqa: E731
         step = Step(new(), new(), torch.arange(size, device=self.device),
-                    KeySplits.of(mask, self.groups, splits_for(bucket), self.dtype), bucket)
+                    KeySplits.of(mask, self.groups, splits_for(bucket, self.groups * size), self.dtype), bucket)
         self.steps[key] = step
         if len(self.steps) > KEEP:
             self.steps.popitem(last=False)

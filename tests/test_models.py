@@ -95,3 +95,19 @@ def test_an_older_transformers_is_refused_with_a_clear_message():
     check_transformers("6.1.0")
     with pytest.raises(RuntimeError, match="5.17.0 is too old"):
         check_transformers("5.17.0")
+
+
+def test_fused_rms_norm_is_the_families_formula_and_stays_off_the_cpu():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from specextend.models import FUSED_ROWS, FusedRMSNorm, fuses_norms, prepare
+
+    norm = LlamaRMSNorm(48, eps=1e-5)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(1, FUSED_ROWS + 1, 48)  # prefill-sized: the eager formula
+    want = norm(x)
+    norm.__class__ = FusedRMSNorm
+    assert torch.equal(norm(x), want)
+    model = prepare(tiny("llama", layers=1, seed=5))
+    assert not fuses_norms(model)
+    assert not any(isinstance(m, FusedRMSNorm) for m in model.modules())

@@ -28,12 +28,13 @@ def test_sizes_cover_every_forward_with_powers_of_two(n):
     assert all(b == 2 * a for a, b in zip(sizes, sizes[1:]))
 
 
-@given(st.integers(1, 200))
-def test_splits_divide_every_bucket_into_aligned_blocks(m):
+@given(st.integers(1, 200), st.integers(1, 512))
+def test_splits_divide_every_bucket_into_aligned_blocks(m, rows):
     bucket = m * BUCKET
-    splits = splits_for(bucket)
-    assert splits in (1, 2, 4, 8, 16) and bucket % splits == 0 and (bucket // splits) % 16 == 0
-    assert bucket // splits >= 256 or splits == 1
+    splits = splits_for(bucket, rows)
+    assert splits in (1, 2, 4, 8, 16, 32) and bucket % splits == 0 and (bucket // splits) % 16 == 0
+    assert (bucket // splits >= 256 and splits * rows <= 2048) or splits == 1
+    assert splits_for(bucket, max(1, rows // 2)) >= splits  # fewer rows, at least as many splits
 
 
 @given(room=st.integers(1, 40_000), largest=st.integers(1, 128))
