@@ -34,6 +34,23 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 IMPLEMENTATION = "specextend"
 FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
+TRITON = importlib.util.find_spec("triton") is not None
+
+
+def compiled_on_cuda(fn):
+    """`fn`, compiled into fused kernels on its first call with CUDA tensors where Triton is present; as written
+    elsewhere. For small elementwise chains that decode-time forwards call once per layer."""
+    compiled = None
+
+    def call(x: torch.Tensor, *args):
+        nonlocal compiled
+        if not (TRITON and x.is_cuda):
+            return fn(x, *args)
+        if compiled is None:
+            compiled = torch.compile(fn)
+        return compiled(x, *args)
+
+    return call
 
 
 def use_flash_attn(x: torch.Tensor) -> bool:
@@ -205,8 +222,13 @@ def split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     k = key[0].unflatten(1, (splits, -1)).transpose(0, 1)  # (S, H_kv, T_k/S, D), a view
     v = value[0].unflatten(1, (splits, -1)).transpose(0, 1)
     out, lse = fused_attention_with_lse(q, k, v, scale, keys.bias)  # (S, H_kv, G*T_q, D), (S, H_kv, G*T_q)
-    lse = lse.masked_fill(~keys.seen[..., 0], float("-inf"))
-    return unfold_heads(merge_by_lse(out, lse)[None], q_heads)
+    return unfold_heads(merge_splits(out, lse, keys.seen)[None], q_heads)
+
+
+@compiled_on_cuda
+def merge_splits(out: torch.Tensor, lse: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """Merge per-split attention (S, H, R, D) by log-sum-exp, the splits a row does not see weighing zero."""
+    return merge_by_lse(out, lse.masked_fill(~seen[..., 0], float("-inf")))
 
 
 TREE_KERNELS = {"hybrid": hybrid_tree_attention, "onecall": onecall_tree_attention}

@@ -8,7 +8,6 @@ Knows models and devices; knows nothing of drafting, verification or retrieval.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
 from contextlib import contextmanager
@@ -242,7 +241,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 FUSED_ROWS = 256  # FusedRMSNorm's compiled kernel serves decode-time forwards up to this many rows
-_compiled_rms_norm = None
+fused_rms_norm = attention.compiled_on_cuda(rms_norm)
 
 
 class FusedRMSNorm(torch.nn.Module):
@@ -252,17 +251,13 @@ class FusedRMSNorm(torch.nn.Module):
     Swapped in by class on CUDA when Triton is present."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        global _compiled_rms_norm
-        if x.shape[:-1].numel() > FUSED_ROWS:
-            return rms_norm(x, self.weight, self.variance_epsilon)
-        if _compiled_rms_norm is None:
-            _compiled_rms_norm = torch.compile(rms_norm)
-        return _compiled_rms_norm(x, self.weight, self.variance_epsilon)
+        norm = rms_norm if x.shape[:-1].numel() > FUSED_ROWS else fused_rms_norm
+        return norm(x, self.weight, self.variance_epsilon)
 
 
 def fuses_norms(model: PreTrainedModel) -> bool:
     """Whether `prepare` compiles this model's RMSNorms: on CUDA, with Triton to compile to."""
-    return next(model.parameters()).is_cuda and importlib.util.find_spec("triton") is not None
+    return next(model.parameters()).is_cuda and attention.TRITON
 
 
 def prepare(model: PreTrainedModel) -> PreTrainedModel:

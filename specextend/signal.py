@@ -50,10 +50,13 @@ class QueryWindow:
         device = next(iter(queries.values())).device
         rows = rows.to(device)
         for layer, heads in self.heads.items():
-            index = self._index.get((heads, device))
-            if index is None:
-                index = self._index[(heads, device)] = torch.tensor(heads, device=device)
-            new = queries[layer][0].index_select(0, index).index_select(1, rows)  # (H_sel, rows, D)
+            q = queries[layer][0]  # (H_q, T_q, D)
+            if heads != tuple(range(q.shape[0])):  # some heads: gather them (all heads: nothing to gather)
+                index = self._index.get((heads, device))
+                if index is None:
+                    index = self._index[(heads, device)] = torch.tensor(heads, device=device)
+                q = q.index_select(0, index)
+            new = q.index_select(1, rows)  # (H_sel, rows, D)
             old = self.queries.get(layer)
             joined = new if old is None else torch.cat([old, new], dim=1)
             self.queries[layer] = joined[:, -self.rows :]

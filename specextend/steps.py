@@ -54,10 +54,10 @@ def sizes_up_to(n: int) -> tuple[int, ...]:
 
 def splits_for(bucket: int, rows: int) -> int:
     """Key splits per attention call over `rows` folded query rows: a power of two up to 32 (so a bucket's splits
-    stay 16-aligned), each of at least 256 keys, and at most 2048 rows over all splits (the merge's traffic).
+    stay 16-aligned), each of at least 256 keys, and at most 4096 rows over all splits (the merge's traffic).
     One query row over 16K keys in 32 splits keeps every SM of an H200 reading keys."""
     splits = 1
-    while splits < 32 and bucket // (2 * splits) >= 256 and 2 * splits * rows <= 2048:
+    while splits < 32 and bucket // (2 * splits) >= 256 and 2 * splits * rows <= 4096:
         splits *= 2
     return splits
 
