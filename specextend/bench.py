@@ -76,7 +76,7 @@ def method_configs(base: dict, prefill: str, lookup: LookupConfig) -> dict[str, 
     (SDPA, what transformers does by default) or 'eager' (the paper's baseline). `lookup`: lookup's knobs."""
     speculative = preset("speculative", attention=AttentionConfig(prefill, "masked"), **base)
     return {
-        "autoregressive": preset("autoregressive", attention=AttentionConfig(prefill, "hybrid"), **base),
+        "autoregressive": preset("autoregressive", attention=AttentionConfig(prefill, "auto", "auto"), **base),
         "speculative": speculative,
         "streaming": preset("streaming", attention=AttentionConfig(prefill, "masked"), **base),
         "specextend": preset("specextend", **base),

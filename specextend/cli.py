@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from .config import (METHODS, SIGNAL_NAMES, AttentionConfig, DraftConfig, LookupConfig, RetrievalConfig, RetrievalSignal,
-                     preset)
+                     draft_defaults, preset)
 
 DEFAULT_INSTRUCTION = "Summarize the document above in a few sentences."
 
@@ -40,15 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
-    d = DraftConfig()
-    g.add_argument("--draft-shape", choices=("chain", "tree"), default=d.shape)
-    g.add_argument("--k", type=int, default=d.k, help="chain: draft tokens per step")
-    g.add_argument("--max-depth", type=int, default=d.max_depth, help="tree: deepest level")
-    g.add_argument("--node-budget", type=int, default=d.node_budget, help="tree: most nodes verified per step")
-    g.add_argument("--branch", type=int, default=d.branch, help="tree: frontier nodes expanded per level")
-    g.add_argument("--children", type=int, default=d.children, help="tree: children per expanded node")
-    g.add_argument("--stop-threshold", type=float, default=d.stop_threshold,
-                   help="tree: stop growing below this cumulative draft probability")
+    # draft settings default to the device's (config.draft_defaults): a chain of 4 on CPU, a 15-node tree on CUDA
+    g.add_argument("--draft-shape", choices=("chain", "tree"))
+    g.add_argument("--k", type=int, help="chain: draft tokens per step")
+    g.add_argument("--max-depth", type=int, help="tree: deepest level")
+    g.add_argument("--node-budget", type=int, help="tree: most nodes verified per step")
+    g.add_argument("--branch", type=int, help="tree: frontier nodes expanded per level")
+    g.add_argument("--children", type=int, help="tree: children per expanded node")
+    g.add_argument("--stop-threshold", type=float, help="tree: stop growing below this cumulative draft probability")
     r = RetrievalConfig()
     g.add_argument("--chunk-size", type=int, default=r.chunk_size, help="CMR chunk size in tokens")
     g.add_argument("--top-k", type=int, default=r.top_k, help="CMR chunks in the working cache (sink and newest included)")
@@ -57,7 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefill-window", type=int, default=r.prefill_window, help="draft's sliding prefill window")
     g.add_argument("--sink-tokens", type=int, default=r.sink_tokens, help="streaming: attention-sink tokens")
     g.add_argument("--prefill", choices=("fused", "eager"), help="prefill kernel (default: the method's)")
-    g.add_argument("--verify", choices=("hybrid", "masked"), help="verification kernel (default: the method's)")
+    g.add_argument("--verify", choices=("hybrid", "onecall", "masked", "auto"),
+                   help="verification kernel (default: the method's)")
+    g.add_argument("--steps", choices=("auto", "eager", "static", "captured"),
+                   help="decode-time forwards: captured CUDA graphs, static shapes, or eager (default: the method's)")
     g.add_argument("--cmr", action=argparse.BooleanOptionalAction, default=None,
                    help="Cross-model Retrieval on/off (default: on for specextend only)")
     g.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=None,
@@ -124,8 +126,9 @@ def lookup_from(args: argparse.Namespace, enabled: bool | None) -> LookupConfig:
                         draft_gate=args.lookup_draft_gate)
 
 
-def config_from(args: argparse.Namespace, eos: tuple[int, ...]):
-    """A GenerationConfig from parsed arguments; every nonsense value raises ValueError here."""
+def config_from(args: argparse.Namespace, eos: tuple[int, ...], device_type: str = "cpu"):
+    """A GenerationConfig from parsed arguments (draft settings not given: the device's defaults); every nonsense
+    value raises ValueError here."""
     if args.working_cache is not None:
         retrieval = RetrievalConfig.with_working_cache(
             args.working_cache, args.chunk_size, retrieve_every=args.retrieve_every,
@@ -133,11 +136,15 @@ def config_from(args: argparse.Namespace, eos: tuple[int, ...]):
     else:
         retrieval = RetrievalConfig(args.chunk_size, args.top_k, args.retrieve_every, args.prefill_window, args.sink_tokens,
                                     signal=signal_from(args))
-    draft = DraftConfig(args.draft_shape, args.k, args.max_depth, args.node_budget, args.branch, args.children,
-                        args.stop_threshold)
+    d = draft_defaults(device_type)
+    given = lambda value, default: default if value is None else value  # noqa: E731
+    draft = DraftConfig(given(args.draft_shape, d.shape), given(args.k, d.k), given(args.max_depth, d.max_depth),
+                        given(args.node_budget, d.node_budget), given(args.branch, d.branch),
+                        given(args.children, d.children), given(args.stop_threshold, d.stop_threshold))
     lookup = lookup_from(args, args.lookup)
     base = preset(args.method).attention
-    attention = AttentionConfig(prefill=args.prefill or base.prefill, verify=args.verify or base.verify)
+    attention = AttentionConfig(prefill=args.prefill or base.prefill, verify=args.verify or base.verify,
+                                steps=args.steps or base.steps)
     return preset(args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   seed=args.seed, eos_token_ids=eos, draft=draft, retrieval=retrieval, attention=attention, cmr=args.cmr,
                   lookup=lookup)
@@ -213,7 +220,7 @@ def generate_command(args: argparse.Namespace) -> int:
         target, draft = target or bundled_target, draft or bundled_draft
     pair = load_pair(target, draft if args.method not in ("autoregressive", "lookup") else None, args.device, args.dtype)
     tokenizer = AutoTokenizer.from_pretrained(target if Path(target).is_dir() else str(target), trust_remote_code=False)
-    config = config_from(args, eos_ids(tokenizer, pair.target))
+    config = config_from(args, eos_ids(tokenizer, pair.target), pair.device.type)
     prompt = encode_document(tokenizer, text, args.instruction, args.raw)
     if args.truncate:
         prompt = fit(prompt, pair.max_positions - config.max_new_tokens)

@@ -60,6 +60,19 @@ class DraftConfig:
         return (1, 1) if self.shape == "chain" else (self.branch, self.children)
 
 
+# The draft's defaults on a GPU, from the verification cost curve gpu_check measured on an H200 (7B-shaped target,
+# 16K tokens, captured steps; docs/RESULTS.md, "GPU path"): verifying 1 / 8 / 16 / 32 / 64 tokens took 7.5 / 8.4 /
+# 8.7 / 11.0 / 13.4 ms. Forwards are padded to powers of two, and 16 tokens cost 1.16x one token while 32 cost
+# 1.47x: a tree of 15 nodes (16 tokens with its root) is the most a step can verify nearly free. The CPU keeps the
+# chain it was tuned with (README, "Status").
+GPU_DRAFT = DraftConfig(shape="tree", max_depth=5, node_budget=15)
+
+
+def draft_defaults(device_type: str) -> DraftConfig:
+    """The draft settings a device gets unless the user sets them."""
+    return GPU_DRAFT if device_type == "cuda" else DraftConfig()
+
+
 @dataclass(frozen=True)
 class RetrievalSignal:
     """Where CMR's chunk scores come from: which of the target's attention heads, reading which query rows, combined

@@ -54,10 +54,11 @@ def sizes_up_to(n: int) -> tuple[int, ...]:
 
 def splits_for(bucket: int, rows: int) -> int:
     """Key splits per attention call over `rows` folded query rows: a power of two up to 32 (so a bucket's splits
-    stay 16-aligned), each of at least 256 keys, and at most 4096 rows over all splits (the merge's traffic).
-    One query row over 16K keys in 32 splits keeps every SM of an H200 reading keys."""
+    stay 16-aligned), each of at least 256 keys, and at most 2048 rows over all splits. On an H200 (7B-shaped
+    target, 16K keys): one token's 4 folded rows went from 1.75 to 1.37 ms of attention per step with 32 splits
+    instead of 16, while a 32-token tree's 128 rows went from 2.65 to 2.93 ms (docs/RESULTS.md, "GPU path")."""
     splits = 1
-    while splits < 32 and bucket // (2 * splits) >= 256 and 2 * splits * rows <= 4096:
+    while splits < 32 and bucket // (2 * splits) >= 256 and 2 * splits * rows <= 2048:
         splits *= 2
     return splits
 

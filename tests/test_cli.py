@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from specextend.config import GPU_DRAFT, AttentionConfig, DraftConfig
 from specextend import bundled
 from specextend.cli import build_parser, config_from, fit, main
 
@@ -23,7 +24,15 @@ def test_knobs_reach_the_config():
     assert config.method == "streaming" and config.draft.k == 3 and config.retrieval.top_k == 16
     assert config.attention.verify == "hybrid" and config.attention.prefill == "fused"
     assert config.temperature == 0.5 and config.top_p == 0.9 and config.eos_token_ids == (2,)
+    assert config_from(args(), eos=()).attention.steps == "auto"  # the method's: captured on CUDA
+    assert config_from(args("--method", "speculative"), eos=()).attention.steps == "eager"
+    assert config_from(args("--steps", "static", "--verify", "onecall"), eos=()).attention == AttentionConfig(
+        "fused", "onecall", "static")
     assert config_from(args("--no-cmr"), eos=()).draft_cache == "full"
+    assert config_from(args(), eos=()).draft == DraftConfig()  # the CPU's defaults
+    assert config_from(args(), eos=(), device_type="cuda").draft == GPU_DRAFT  # a GPU's, from its cost curve
+    mixed = config_from(args("--draft-shape", "chain", "--k", "6"), eos=(), device_type="cuda").draft
+    assert (mixed.shape, mixed.k, mixed.node_budget) == ("chain", 6, GPU_DRAFT.node_budget)
     assert config_from(args(), eos=()).draft_cache == "cmr"
     assert config_from(args(), eos=()).retrieval.signal == "default"
     assert config_from(args("--signal", "paper"), eos=()).retrieval.signal == "paper"

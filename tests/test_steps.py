@@ -33,7 +33,7 @@ def test_splits_divide_every_bucket_into_aligned_blocks(m, rows):
     bucket = m * BUCKET
     splits = splits_for(bucket, rows)
     assert splits in (1, 2, 4, 8, 16, 32) and bucket % splits == 0 and (bucket // splits) % 16 == 0
-    assert (bucket // splits >= 256 and splits * rows <= 4096) or splits == 1
+    assert (bucket // splits >= 256 and splits * rows <= 2048) or splits == 1
     assert splits_for(bucket, max(1, rows // 2)) >= splits  # fewer rows, at least as many splits
 
 
