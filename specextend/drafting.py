@@ -25,8 +25,8 @@ from .attention import AttentionPlan
 from .cache import KVCache, reposition
 from .config import DraftConfig, GenerationConfig
 from .models import forward, rope_inv_freq
-from .steps import StepRunner, make_runner
 from .retrieval import DraftCachePolicy, Selection
+from .steps import StepRunner, make_runner
 from .verification import sampling_probs
 
 
