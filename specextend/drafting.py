@@ -138,15 +138,19 @@ def draw_children(logq: torch.Tensor, n: int, generator: torch.Generator | None)
 
 
 class Drafter(Protocol):
-    """The strategy the engine drafts with (the draft model, lookup, both merged, or a scripted one in tests).
+    """The strategy the engine drafts with (the draft model, lookup, both merged, nothing for the target alone,
+    or a scripted one in tests).
 
     `propose(room, generator)`: a tree no deeper than `room` (tokens left before max_new_tokens).
     `commit(tokens)`: the tokens the step committed (the accepted path, then the bonus token), or the first
-    token after prefill.
+    token after prefill. `drafts`: whether it proposes at all (the engine reports a drafting phase only then).
+    `runners`: the step runners it holds (steps.py), handed back when the request ends.
     """
 
     policy: DraftCachePolicy
     working_len: int
+    drafts: bool
+    runners: tuple[StepRunner, ...]
 
     def prefill(self, prompt: list[int], stop) -> Iterator[int]: ...
     def propose(self, room: int, generator: torch.Generator | None) -> DraftTree: ...
@@ -154,8 +158,33 @@ class Drafter(Protocol):
     def rebuild(self, token_scores: torch.Tensor | None) -> tuple[Selection, int]: ...
 
 
+class NoDrafter:
+    """The target alone: proposes nothing, so every step verifies just the root (one autoregressive step)."""
+
+    drafts = False
+    working_len = 0
+    runners: tuple[StepRunner, ...] = ()
+
+    def __init__(self) -> None:
+        self.policy = DraftCachePolicy()  # the full policy: never due, never rebuilt
+
+    def prefill(self, prompt: list[int], stop) -> Iterator[int]:
+        return iter(())
+
+    def propose(self, room: int, generator: torch.Generator | None) -> DraftTree:
+        return DraftTree.empty()
+
+    def commit(self, tokens: list[int]) -> None:
+        pass
+
+    def rebuild(self, token_scores: torch.Tensor | None) -> tuple[Selection, int]:
+        raise RuntimeError("the target alone keeps no draft cache to rebuild")
+
+
 class ModelDrafter:
     """Drafts with a causal LM from a policy-managed working cache."""
+
+    drafts = True
 
     def __init__(self, model, config: GenerationConfig, policy: DraftCachePolicy, capacity: int) -> None:
         self.model = model
@@ -172,6 +201,7 @@ class ModelDrafter:
             self.store = KVCache(model.config.num_hidden_layers, capacity)
             self.runner = make_runner(model, min(capacity, 4 * config.retrieval.working_cache), steps, largest)
         self.working = self.runner.cache
+        self.runners = (self.runner,)
         self.inv_freq = rope_inv_freq(model)
         self.pending: list[int] = []  # committed tokens whose KV the draft has not computed yet
         self._tree: _Growing | None = None

@@ -16,7 +16,7 @@ import torch
 
 from .attention import AttentionPlan, QueryCapture
 from .config import GenerationConfig, RetrievalSignal
-from .drafting import Drafter, DraftTree, ModelDrafter, tree_mask
+from .drafting import Drafter, DraftTree, ModelDrafter, NoDrafter, tree_mask
 from .lookup import LookupDrafter, MergedDrafter
 from .events import Drafted, Event, Finished, Prefilled, Prefilling, Retrieved, Started, Verified
 from .models import ModelPair, final_layer
@@ -109,8 +109,8 @@ class Target:
         return combine(self.head_scores(), self.combine).cpu()
 
 
-def make_drafter(pair: ModelPair, config: GenerationConfig, capacity: int) -> Drafter | None:
-    """The draft model (under its cache policy), lookup, or both merged into one tree; None for the target alone."""
+def make_drafter(pair: ModelPair, config: GenerationConfig, capacity: int) -> Drafter:
+    """The draft model (under its cache policy), lookup, both merged into one tree, or nothing (the target alone)."""
     model = lookup = None
     if config.uses_draft:
         model = ModelDrafter(pair.draft, config, make_policy(config.draft_cache, config.retrieval), capacity)
@@ -118,7 +118,7 @@ def make_drafter(pair: ModelPair, config: GenerationConfig, capacity: int) -> Dr
         lookup = LookupDrafter(config.lookup)
     if model is not None and lookup is not None:
         return MergedDrafter(model, lookup, config.lookup)
-    return model or lookup
+    return model or lookup or NoDrafter()
 
 
 def generate(
@@ -135,11 +135,11 @@ def generate(
     generator = None if config.greedy else torch.Generator().manual_seed(config.seed)
     room = len(prompt) + config.max_new_tokens + config.tree_budget + 2
     drafter = drafter or make_drafter(pair, config, room)
-    scored = drafter is not None and drafter.policy.needs_scores
+    scored = drafter.policy.needs_scores
     target = Target(pair.target, config, room, signal if scored else None)
     try:
         yield Started(clock(), 0.0, config.method, tuple(prompt), asdict(config), pair.target.config.num_hidden_layers,
-                      pair.draft.config.num_hidden_layers if drafter is not None and pair.draft is not None else 0,
+                      pair.draft.config.num_hidden_layers if config.uses_draft else 0,
                       str(pair.device), str(pair.dtype).replace("torch.", ""))
 
         # 1) prefill the target (fused kernel) and the draft (sliding window, per its policy)
@@ -149,7 +149,7 @@ def generate(
             yield Prefilling(clock(), clock() - phase, "target", done, len(prompt))
         target_s = clock() - phase
         phase = clock()
-        for done in drafter.prefill(prompt, stop) if drafter is not None else ():
+        for done in drafter.prefill(prompt, stop):
             sync()
             yield Prefilling(clock(), clock() - phase, "draft", done, len(prompt) - 1)
         draft_s = clock() - phase
@@ -158,10 +158,9 @@ def generate(
             return
         first = pick(target.logits, config, generator)
         out = cut([first], 0, config)
-        if drafter is not None:
-            drafter.commit([first])
+        drafter.commit([first])
         yield Prefilled(clock(), target_s + draft_s, len(prompt), target_s, draft_s, first)
-        if drafter is not None and drafter.policy.name != "full":
+        if drafter.policy.name != "full":
             yield retrieve(drafter, target, 0, config, clock, sync)
 
         # 2) draft, verify, commit, retrieve: until max_new_tokens, EOS or stop
@@ -174,7 +173,7 @@ def generate(
             position = len(prompt) + len(out) - 1  # the root: the last committed token
             left = config.max_new_tokens - len(out) - 1  # tokens a tree may add before the bonus token
             tree = DraftTree.empty()
-            if drafter is not None and left > 0:  # a) the draft (from its working cache) and lookup propose
+            if drafter.drafts and left > 0:  # a) the draft (from its working cache) and lookup propose
                 phase = clock()
                 tree = drafter.propose(left, generator)
                 sync()
@@ -189,24 +188,20 @@ def generate(
                 q = tree.q if tree.q is not None else torch.zeros_like(p)
                 path, bonus = verify_sampling(tree.parents, tree.tokens, p, q, generator, tree.point)
             target.commit(path)  # c) keep the accepted path and the bonus token; drop rejected KV
-            if drafter is not None:
-                drafter.commit([tree.tokens[n] for n in path] + [bonus])
+            drafter.commit([tree.tokens[n] for n in path] + [bonus])
             sync()
             committed = cut([tree.tokens[n] for n in path] + [bonus], len(out), config)
             out.extend(committed)
             accepted = tuple(i in path for i in range(len(tree.tokens)))
             yield Verified(clock(), clock() - phase, step, position + 1, tuple(path), accepted, len(path), bonus,
                            tuple(committed), len(out))
-            if drafter is not None:
-                drafter.policy.observe(len(path), max(tree.depths, default=0))
-            if drafter is not None and drafter.policy.due(step, drafter.working_len):  # d) retrieval
+            drafter.policy.observe(len(path), max(tree.depths, default=0))
+            if drafter.policy.due(step, drafter.working_len):  # d) retrieval
                 yield retrieve(drafter, target, step, config, clock, sync)
         yield Finished(clock(), clock(), tuple(out), reason, step, len(prompt))
     finally:  # captured steps are kept for the next request (steps.py)
-        release(target.runner)
-        model = drafter.model if isinstance(drafter, MergedDrafter) else drafter
-        if isinstance(model, ModelDrafter):
-            release(model.runner)
+        for runner in (target.runner, *drafter.runners):
+            release(runner)
 
 
 def pick(logits: torch.Tensor, config: GenerationConfig, generator: torch.Generator | None) -> int:

@@ -139,6 +139,9 @@ class LookupDrafter:
     proposal were committed (up to max_tokens): long runs while copies hold, two tokens after a miss.
     """
 
+    drafts = True
+    runners = ()  # no draft model, no cache
+
     def __init__(self, config: LookupConfig) -> None:
         self.config = config
         self.index = NgramIndex(config.min_ngram, config.max_ngram)
@@ -182,8 +185,11 @@ class MergedDrafter:
     Its working cache still follows every committed token (they wait as pending tokens) and every retrieval.
     """
 
+    drafts = True
+
     def __init__(self, model: ModelDrafter, lookup: LookupDrafter, config: LookupConfig) -> None:
         self.model, self.lookup, self.config = model, lookup, config
+        self.runners = model.runners
         self.gains: deque[int] = deque(maxlen=GATE_USES)  # accepted draft-model tokens per use
         self.idle = 0  # steps sat out since the gate closed
         self._tree: DraftTree | None = None  # this step's tree, when the draft model helped build it

@@ -160,6 +160,7 @@ class ScriptedDrafter:
         self.reference, self.right_for, self.branching = reference, right_for, branching
         self.policy = DraftCachePolicy()
         self.working_len = 0
+        self.drafts, self.runners = True, ()
         self.generated: list[int] = []
         self.proposed: list[int] = []
 
@@ -336,3 +337,16 @@ def test_default_signal_resolves_to_the_pairs_calibration(llama_pair):
     assert {e.signal for e in uncalibrated if isinstance(e, ev.Retrieved)} == {UNCALIBRATED.name}
     with pytest.raises(ValueError, match="calibrated"):
         run(llama_pair, prompt_of(200), preset("specextend", retrieval=replace(retrieval, signal="calibrated")))
+
+
+def test_the_target_alone_and_lookup_run_no_draft_model(llama_pair, refs):
+    """The target alone drafts nothing (a do-nothing drafter: no drafting or retrieval events); lookup drafts
+    without the draft model, so neither reports draft layers even when the pair has a draft."""
+    prompt = prompt_of(90, seed=4)
+    alone = run(llama_pair, prompt, preset("autoregressive", max_new_tokens=N_NEW))
+    assert output(alone) == refs(prompt)
+    assert not any(isinstance(e, (ev.Drafted, ev.Retrieved)) for e in alone)
+    assert sum(isinstance(e, ev.Verified) for e in alone) == N_NEW - 1
+    lookup = run(llama_pair, prompt, preset("lookup", max_new_tokens=N_NEW))
+    assert alone[0].draft_layers == lookup[0].draft_layers == 0
+    assert run(llama_pair, prompt, preset("speculative", max_new_tokens=2))[0].draft_layers == 1
