@@ -56,7 +56,8 @@ def build_config(method: str, knobs: Knobs, eos_ids: Sequence[int] = (), max_new
     if knobs.temperature is None or knobs.temperature != knobs.temperature:
         raise ValueError("temperature must be a number (0 is greedy)")
     draft = DraftConfig(shape=knobs.shape, k=_whole("chain length k", knobs.k),
-                        max_depth=_whole("tree depth", knobs.max_depth), node_budget=_whole("tree node budget", knobs.node_budget))
+                        max_depth=_whole("tree depth", knobs.max_depth),
+                        node_budget=_whole("tree node budget", knobs.node_budget))
     retrieval = RetrievalConfig(chunk_size=_whole("chunk size", knobs.chunk_size), top_k=_whole("top-k chunks", knobs.top_k),
                                 retrieve_every=_whole("retrieve every", knobs.retrieve_every), signal=knobs.signal)
     merged = lookup and bool(knobs.lookup) and method not in ("autoregressive", "lookup")

@@ -202,7 +202,8 @@ class Studio:
 
         def prepare(say):
             say("Replaying a recorded trace (no model loaded)")
-            return codec, Prompt(prompt_ids, (0, len(prompt_ids))), float("inf"), replay(runs, 1.0 if pace == "recorded pace" else 0.0)
+            pace_factor = 1.0 if pace == "recorded pace" else 0.0
+            return codec, Prompt(prompt_ids, (0, len(prompt_ids))), float("inf"), replay(runs, pace_factor)
 
         state.job = Job(list(runs), lambda m, c: preset(m), prepare).start()
         yield from self._stream(state.job, self._main_draw(primary), {**meta, "replayed": True}, chart_every)
@@ -464,7 +465,8 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
 def launch(demo: gr.Blocks, settings: Settings, **overrides: Any):
     """Serve the app: the operator's address (127.0.0.1 by default), never a public share link."""
     options = dict(server_name=settings.host, server_port=settings.port, share=False, css=CSS,
-                   max_file_size=max(4 * settings.max_upload_bytes, settings.max_trace_bytes), footer_links=["api"], show_error=True)
+                   max_file_size=max(4 * settings.max_upload_bytes, settings.max_trace_bytes), footer_links=["api"],
+                   show_error=True)
     options.update(overrides)
     options["share"] = False
     return demo.launch(**options)

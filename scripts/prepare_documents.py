@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import re
 import sys
-from pathlib import Path
 
 import pd_corpus
 

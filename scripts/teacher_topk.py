@@ -1,8 +1,8 @@
 """Precompute the target's top-k log-probabilities over the draft's training text, once.
 
 Windows of WINDOW tokens are cut from the training texts (scripts/pd_corpus.py decides which text
-may be trained on), shuffled with a seed, and run through the target (float32, one thread; bfloat16 is emulated and slow on this CPU); every
-SHARD windows are saved to cache/teacher/plain-NNNN.pt as
+may be trained on), shuffled with a seed, and run through the target (float32, one thread; bfloat16 is
+emulated and slow on this CPU); every SHARD windows are saved to cache/teacher/plain-NNNN.pt as
   input_ids (N, T) int32, topk_ids (N, T, K) int32, topk_logp (N, T, K) float16
 where row t holds the target's distribution for the token after position t.
 Stops after --minutes of work or when the windows run out; the draft trainer reads every shard.

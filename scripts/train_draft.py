@@ -373,9 +373,9 @@ def main() -> None:
                     help="online and text windows: the fixed 512-token cuts of each text, or random offsets into "
                          "those cuts laid end to end (every pass sees new cuts; a window may span two texts)")
     ap.add_argument("--replay", type=int, default=0,
-                    help="after each step, this many extra steps on windows labelled earlier (online and on-policy), trained on the target's "
-                         "top --replay-k log-probs kept from when they were labelled (the target's forward is most "
-                         "of a step's cost)")
+                    help="after each step, this many extra steps on windows labelled earlier (online and "
+                         "on-policy), trained on the target's top --replay-k log-probs kept from when they were "
+                         "labelled (the target's forward is most of a step's cost)")
     ap.add_argument("--replay-k", type=int, default=64)
     ap.add_argument("--corpus", default="shakespeare:1",
                     help="text sources and their shares of the text, online and on-policy windows, e.g. "
@@ -463,7 +463,8 @@ def main() -> None:
         sub_t = torch.tensor(sub, device=dev)
         position = torch.full((cfg.vocab_size,), -1, dtype=torch.long, device=dev)
         position[sub_t] = torch.arange(len(sub), device=dev)
-    print(f"params {nparams} rows {kinds} train {len(train)} val {len(val)} text windows { {n: len(t) for n, t in texts.items()} } "
+    windows = {n: len(t) for n, t in texts.items()}
+    print(f"params {nparams} rows {kinds} train {len(train)} val {len(val)} text windows {windows} "
           f"output vocabulary {len(sub) if sub else cfg.vocab_size}", flush=True)
 
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -476,11 +477,14 @@ def main() -> None:
         "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads, "ff": cfg.intermediate_size,
         "cut_from_target": args.cut, "seed": args.seed,
         "max_positions_trained": int(rows[0][1].shape[0]), "teacher_rows": kinds,
-        "command": "python " + " ".join(sys.argv), "grown_to": args.grow or None, "init": args.init or ("target layers " + args.cut if args.cut else "target embedding PCA"), "lr": args.lr, "batch": args.batch,
+        "command": "python " + " ".join(sys.argv), "grown_to": args.grow or None,
+        "init": args.init or ("target layers " + args.cut if args.cut else "target embedding PCA"),
+        "lr": args.lr, "batch": args.batch,
         "ce_weight": args.ce_weight, "chat_weight": args.chat_weight, "text_share": args.text_share,
         "online_share": args.online_share,
         "policy_share": args.policy_share, "policy_max_new": args.policy_max_new,
-        "policy_temperature": args.policy_temperature, "offsets": args.offsets, "corpus": dict(mix), "replay": args.replay, "replay_k": args.replay_k, "threads": args.threads, "device": args.device,
+        "policy_temperature": args.policy_temperature, "offsets": args.offsets, "corpus": dict(mix),
+        "replay": args.replay, "replay_k": args.replay_k, "threads": args.threads, "device": args.device,
         "output_vocabulary": len(sub) if sub else cfg.vocab_size, "log": [],
     }
     start = time.time()

@@ -324,7 +324,8 @@ def specextend_attention(module, query, key, value, attention_mask, dropout=0.0,
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if plan is None:  # used outside the engine (e.g. transformers' own generate): behave like SDPA
         if attention_mask is None and query.shape[2] not in (1, key.shape[2]):
-            attention_mask = causal_window_mask(query.shape[2], 0, key.shape[2], key.shape[2] - query.shape[2], None, query.device)
+            q_len, key_len = query.shape[2], key.shape[2]
+            attention_mask = causal_window_mask(q_len, 0, key_len, key_len - q_len, None, query.device)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scale, **kwargs)
     if plan.capture is not None and module.layer_idx in plan.capture.layers:
         plan.capture.queries[module.layer_idx] = query

@@ -55,8 +55,8 @@ ASSISTED = "hf_assisted"  # transformers' generate(..., assistant_model=draft): 
 PROMPT_LOOKUP = "hf_prompt_lookup"  # transformers' generate(..., prompt_lookup_num_tokens=10): lookup's peer
 PEERS = (ASSISTED, PROMPT_LOOKUP)  # run by transformers, not by this engine
 HF_LOOKUP_TOKENS = 10  # the prompt_lookup_num_tokens transformers' documentation uses
-METHODS = ("autoregressive", "speculative", "streaming", "specextend", "specextend_paper", "cmr_only", "fused_prefill_only", "hta_only",
-           "lookup", "specextend_lookup", ASSISTED, PROMPT_LOOKUP)
+METHODS = ("autoregressive", "speculative", "streaming", "specextend", "specextend_paper", "cmr_only", "fused_prefill_only",
+           "hta_only", "lookup", "specextend_lookup", ASSISTED, PROMPT_LOOKUP)
 BASELINES = ("autoregressive", "speculative", ASSISTED, PROMPT_LOOKUP)
 QUICK_SHAPE = (2, 64, 4, 2, 128)  # --quick target: layers, hidden, heads, KV heads, MLP width
 QUICK = dict(lengths="160,336", docs=1, repeats=1, max_new_tokens=8, needles=2, needle_tokens=240,
@@ -458,7 +458,6 @@ def grid_figures(rows: list[dict]) -> dict:
 
 def figures(report: dict) -> dict:
     """Plotly figures of the report, by file stem."""
-    import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     rows = [r for r in report["cells"] if not r["same_as"]]
@@ -588,7 +587,8 @@ def table(report: dict) -> str:
         lines.append(f"{r['prompt_tokens']:>6.0f} {name:<31} {fmt(r['decode_tokens_per_s']):>20} "
                      f"{fmt(r['e2e_tokens_per_s']):>18} {ratio(r['decode_speedup_vs_autoregressive']):>6} "
                      f"{ratio(r['decode_speedup_vs_speculative']):>6} {ratio(r[f'decode_speedup_vs_{ASSISTED}']):>6} "
-                     f"{ratio(r[f'decode_speedup_vs_{PROMPT_LOOKUP}']):>6} {fmt(r['mean_accepted'], 2):>17} {'-' if not share else format(share['median'], '.1%'):>9}")
+                     f"{ratio(r[f'decode_speedup_vs_{PROMPT_LOOKUP}']):>6} {fmt(r['mean_accepted'], 2):>17} "
+                     f"{'-' if not share else format(share['median'], '.1%'):>9}")
     if report.get("needle"):
         summary = report["needle"]["summary"]
         lines.append(f"needle ({summary['needles']} needles, ~{report['needle']['haystack_tokens']} tokens): hold "

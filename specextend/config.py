@@ -81,9 +81,10 @@ class RetrievalSignal:
 
     The paper's recipe ("paper"): the final layer's heads, the row of the last accepted token, averaged, with only
     the newest chunk reserved. `spread` lets a chunk inherit part of its neighbours' score, so a passage that
-    straddles a chunk boundary comes whole (the heads that find a fact look at its value, not at its first words). A query row is a token the target has read (prompt or committed output): `rows`
-    counts back from the newest. `heads` names (layer, head) pairs; when empty every head of `layers` scores (of every
-    layer when `layers` is empty too). Negative layers count from the end (-1 is the final layer).
+    straddles a chunk boundary comes whole (the heads that find a fact look at its value, not at its first words).
+    A query row is a token the target has read (prompt or committed output): `rows` counts back from the newest.
+    `heads` names (layer, head) pairs; when empty every head of `layers` scores (of every layer when `layers` is
+    empty too). Negative layers count from the end (-1 is the final layer).
     """
 
     name: str = "paper"

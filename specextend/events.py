@@ -124,7 +124,8 @@ class Finished:
 
 
 Event = Union[Started, Prefilling, Prefilled, Drafted, Verified, Retrieved, Finished]
-EVENT_TYPES: dict[str, type] = {cls.__name__: cls for cls in (Started, Prefilling, Prefilled, Drafted, Verified, Retrieved, Finished)}
+EVENT_TYPES: dict[str, type] = {
+    cls.__name__: cls for cls in (Started, Prefilling, Prefilled, Drafted, Verified, Retrieved, Finished)}
 
 
 def to_dict(event: Event) -> dict[str, Any]:

@@ -239,7 +239,8 @@ def bench_engine(models: dict, device, length: int, vocab: int) -> dict:
             seconds.append(time.perf_counter() - start)
         s = runs[-1]  # the first run warms up (captures, kernel choices)
         steps = max(s.steps, 1)
-        out[name] = {"steps": s.steps, "first_run_s": seconds[0], "second_run_s": seconds[1], "verify_ms": 1e3 * s.phase_seconds["verification"] / steps,
+        out[name] = {"steps": s.steps, "first_run_s": seconds[0], "second_run_s": seconds[1],
+                     "verify_ms": 1e3 * s.phase_seconds["verification"] / steps,
                      "draft_ms": 1e3 * s.phase_seconds["drafting"] / steps,
                      "retrieval_ms": 1e3 * s.phase_seconds["retrieval"] / steps,
                      "prefill_s": s.phase_seconds["target_prefill"] + s.phase_seconds["draft_prefill"]}
@@ -273,7 +274,8 @@ def criteria(report: dict, fast: str) -> dict:
 
 def markdown(report: dict, fast: str) -> str:
     lines = [f"# GPU check: {report['device']}, {report['dtype']}, torch {report['torch']}", ""]
-    lines += [f"Read bandwidth measured: {report.get('bandwidth_gbs', 0):.0f} GB/s. Errors: {json.dumps(report.get('errors', {}))}", ""]
+    errors = json.dumps(report.get("errors", {}))
+    lines += [f"Read bandwidth measured: {report.get('bandwidth_gbs', 0):.0f} GB/s. Errors: {errors}", ""]
     if "kernels" in report:
         lines += ["## Kernels, max abs error against fp32", ""] + [f"- {k}: {v:.2e}" for k, v in report["kernels"].items()] + [""]
     if "lossless" in report:
@@ -288,7 +290,8 @@ def markdown(report: dict, fast: str) -> str:
         for r in steps["rows"]:
             lines.append(f"| {r['tokens']} | {r['prefill_s']:.2f} | {r['floor_ms']:.2f} | {r['ar_eager_ms']:.2f} | "
                          f"{r[f'ar_{fast}_ms']:.2f} | {r[f'ar_{fast}_ms'] / r['floor_ms']:.2f} | {r['verify_masked_ms']:.2f} | "
-                         f"{r['verify_auto_eager_ms']:.2f} | {r[f'verify_{fast}_ms']:.2f} | {r[f'draft 1B full_{fast}_ms']:.2f} | "
+                         f"{r['verify_auto_eager_ms']:.2f} | {r[f'verify_{fast}_ms']:.2f} | "
+                         f"{r[f'draft 1B full_{fast}_ms']:.2f} | "
                          f"{r[f'draft 68M full_{fast}_ms']:.2f} | {r.get('peak_gib', 0):.1f} |")
         lines += ["", f"Verification over {NODES + 1} tokens (a root and a {NODES}-node tree). Draft steps over a "
                   f"{WORKING}-token working cache: " + ", ".join(f"{k} {v:.2f}" for k, v in steps["working"].items()), ""]

@@ -157,7 +157,8 @@ def check_lossless(device, prompt_len: int, new_tokens: int, steps: tuple[str, .
             attention=AttentionConfig("fused", "auto", step_mode))
     eager = AttentionConfig("fused", "hybrid", "eager")
     with exact_matmuls():
-        ref = list(list(generate(pair, prompt, preset("autoregressive", max_new_tokens=new_tokens, attention=eager)))[-1].token_ids)
+        alone = preset("autoregressive", max_new_tokens=new_tokens, attention=eager)
+        ref = list(list(generate(pair, prompt, alone))[-1].token_ids)
         return {name: list(list(generate(pair, prompt, config))[-1].token_ids) == ref for name, config in configs.items()}
 
 
@@ -213,7 +214,8 @@ def main(argv=None) -> int:
                                                         [int(x) for x in args.tree_sizes.split(",")])
         for r in report["tree_attention"]:
             print(f"tree  Tk={r['key_len']:6d} Tq={r['tree_tokens']:3d}  hybrid {r['hybrid_ms']:8.3f} ms  masked "
-                  f"{r['masked_ms']:8.3f} ms  speedup {r['masked_ms'] / r['hybrid_ms']:5.2f}x  err {r['hybrid_err']:.1e}/{r['masked_err']:.1e}")
+                  f"{r['masked_ms']:8.3f} ms  speedup {r['masked_ms'] / r['hybrid_ms']:5.2f}x  "
+                  f"err {r['hybrid_err']:.1e}/{r['masked_err']:.1e}")
     if "prefill" not in skip:
         report["prefill"] = bench_prefill(device, dtype, heads, kv_heads, dim, lengths, eager_max=8192)
         for r in report["prefill"]:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The project's test command, on a fresh machine: installs what the tests need, then runs them all.
+# The project's test command, on a fresh machine: installs what the tests need, lints, then runs every test.
 # Debian's chromium drives the browser test (never `playwright install`: it downloads a browser).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,4 +10,5 @@ fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
 export HF_HUB_OFFLINE=1 GRADIO_ANALYTICS_ENABLED=False
+.venv/bin/ruff check --quiet .
 exec .venv/bin/python -m pytest -q "$@"

@@ -254,8 +254,6 @@ def test_messages_escape_what_the_user_controls(tmp_path):
 
 
 def test_a_run_stopped_during_prefill_still_draws():
-    import threading
-
     from specextend.config import preset
 
     from app.panels import main_view

@@ -3,9 +3,10 @@ document, runs a short race (SpecExtend, then standard speculative decoding), wa
 draw (checked in the DOM), checks the panels against the run's exported trace (the chunks CMR reached
 back for are drawn and listed), and saves screenshots under test-output/. The needle tab runs CMR under
 the pair's default and the paper's retrieval signal beside StreamingLLM; with the bundled pair, the
-default signal's first working cache holds the needle and the layer x head picture is drawn. Then lookup drafting alone on a task that makes the target copy: the copied stretches
-are marked in the output and the retrieval panel shows where they came from. Uses the bundled pair when the engine and the bundled draft are present, else the
-fake engine (tests/fixtures/fake_engine.py); the test id says which.
+default signal's first working cache holds the needle and the layer x head picture is drawn. Then lookup
+drafting alone on a task that makes the target copy: the copied stretches are marked in the output and the
+retrieval panel shows where they came from. Uses the bundled pair when the engine and the bundled draft are
+present, else the fake engine (tests/fixtures/fake_engine.py); the test id says which.
 """
 
 from __future__ import annotations

@@ -101,13 +101,13 @@ def test_target_window_holds_the_queries_of_the_rows_it_read():
     for _ in target.prefill(prompt, None):
         pass
     tokens = list(prompt)
-    for step in range(3):  # a two-node chain each step, the first node accepted
-        root = int(target.logits[-1].argmax()) if step == 0 else bonus
+    root = int(target.logits[-1].argmax())
+    for _ in range(3):  # a two-node chain each step, the first node accepted; the bonus token roots the next step
         tree = DraftTree(tokens=(3, 4), parents=(-1, 0), depths=(1, 2), probs=(1.0, 1.0), q=None, forwards=1)
         logits = target.verify(root, tree)
         target.commit([0])
         tokens += [root, 3]
-        bonus = int(logits[2].argmax())
+        root = int(logits[2].argmax())
     reference = Target(model, GenerationConfig(), 64, sig)
     for _ in reference.prefill(tokens, None):
         pass

@@ -12,6 +12,7 @@ from .throughput import phase_breakdown, throughput_html, throughput_spec
 
 __all__ = [
     "Decode", "acceptance_spec", "answer_html", "exactness_html", "first_divergence", "heads_spec", "held_share",
-    "far_chunks", "far_html", "kept_chunks", "needle_spec", "output_html", "phase_breakdown", "retrieval_spec", "segments", "signal_html",
+    "far_chunks", "far_html", "kept_chunks", "needle_spec", "output_html", "phase_breakdown", "retrieval_spec", "segments",
+    "signal_html",
     "throughput_html", "throughput_spec", "to_figure",
 ]

@@ -42,7 +42,8 @@ def heads_spec(share: Sequence[Sequence[float]], signals: Mapping[str, Sequence[
     layers, heads = len(share), len(share[0])
     best = max(max(row) for row in share) or 1.0
     heat = {"type": "heatmap", "z": [list(row) for row in share], "x": list(range(heads)), "y": list(range(layers)),
-            "zmin": 0.0, "zmax": best, "colorscale": "YlOrRd", "reversescale": True, "colorbar": {"title": {"text": "share"}, "thickness": 10},
+            "zmin": 0.0, "zmax": best, "colorscale": "YlOrRd", "reversescale": True,
+            "colorbar": {"title": {"text": "share"}, "thickness": 10},
             "hovertemplate": "layer %{y}, head %{x}: %{z:.1%} of its attention on the needle<extra></extra>"}
     colours = ("#1d3557", "#2a9d8f", "#9b5de5")
     shapes, legend = [], []

@@ -6,10 +6,10 @@ a recency window of the same size) get a green outline. Hovering a chunk shows i
 per retrieval, one column per chunk, navy where the chunk was in the working cache, green where it
 reached back, with a mark per row whose hover reads the output so far and, at the right, the draft tokens
 the target accepted per step while that working cache served. A StreamingLLM run (no scores) shows the
-chunks its sink + recent window covers. `far_html` lists the reaching-back chunks with their text. Where a lookup's copies were accepted, a second strip row
-(violet) shows the chunks they were copied from, the latest outlined: CMR choosing what the draft reads
-beside lookup copying what the document already says; lookup drafting alone gets that row and one row per
-copying step below it. Knows events; no gradio, no models.
+chunks its sink + recent window covers. `far_html` lists the reaching-back chunks with their text. Where a
+lookup's copies were accepted, a second strip row (violet) shows the chunks they were copied from, the latest
+outlined: CMR choosing what the draft reads beside lookup copying what the document already says; lookup
+drafting alone gets that row and one row per copying step below it. Knows events; no gradio, no models.
 """
 
 from __future__ import annotations
