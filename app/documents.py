@@ -13,7 +13,7 @@ class DocumentError(ValueError):
     """A document the app will not use, with a message meant for the user."""
 
 
-def read_upload(path: str | Path, max_bytes: int) -> str:
+def read_upload(path: str | Path, max_bytes: int, max_chars: int | None = None) -> str:
     """The text of an uploaded .txt/.md file, or a DocumentError saying what is wrong with it."""
     path = Path(path)
     if path.suffix.lower() not in ALLOWED_SUFFIXES:
@@ -24,6 +24,9 @@ def read_upload(path: str | Path, max_bytes: int) -> str:
             f"“{path.name}” is {size / 1024:,.0f} KB; this server accepts documents up to {max_bytes / 1024:,.0f} KB."
         )
     data = path.read_bytes()
+    wide = wide_encoding(data)
+    if wide:
+        raise DocumentError(f"“{path.name}” is {wide} text; save it as UTF-8 and upload again.")
     if b"\x00" in data:
         raise DocumentError(f"“{path.name}” looks like a binary file (it contains NUL bytes), not text.")
     try:
@@ -32,13 +35,38 @@ def read_upload(path: str | Path, max_bytes: int) -> str:
         raise DocumentError(
             f"“{path.name}” is not valid UTF-8 (byte {exc.start} cannot be decoded); save it as UTF-8 and upload again."
         ) from None
-    return check_text(text)
+    return check_text(text, max_bytes if max_chars is None else max_chars)
 
 
-def check_text(text: str) -> str:
-    """The document text if it has something to read, else a DocumentError."""
+BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+        (b"\xfe\xff", "UTF-16"))
+
+
+def wide_encoding(data: bytes) -> str:
+    """"UTF-16" or "UTF-32" when the bytes are text in that encoding (by its byte-order mark, or for mostly-ASCII
+    text by the NUL bytes between its characters); "" otherwise."""
+    for bom, name in BOMS:
+        if data.startswith(bom):
+            return name
+    head = data[:4096]
+    if len(head) >= 8:
+        quads = [head[i : i + 4] for i in range(0, len(head) - 3, 4)]
+        if sum(q[1:] == b"\x00\x00\x00" or q[:3] == b"\x00\x00\x00" for q in quads) > 0.9 * len(quads):
+            return "UTF-32"
+        pairs = [head[i : i + 2] for i in range(0, len(head) - 1, 2)]
+        if sum(p[1:] == b"\x00" or p[:1] == b"\x00" for p in pairs) > 0.9 * len(pairs):
+            return "UTF-16"
+    return ""
+
+
+def check_text(text: str, max_chars: int) -> str:
+    """The document text if it has something to read and is not longer than `max_chars`, else a DocumentError.
+    Checked before any tokenizing, so an oversized text costs nothing."""
     if not text or not text.strip():
         raise DocumentError("The document is empty: paste some text, upload a .txt/.md file, or pick a sample.")
+    if len(text) > max_chars:
+        raise DocumentError(f"The document is {len(text):,} characters; this server takes documents up to "
+                            f"{max_chars:,} characters. Shorten it or upload a shorter file.")
     return text
 
 

@@ -8,6 +8,7 @@ and the limits that keep a shared app serving. Knows nothing of gradio or models
 | SPECEXTEND_PAIRS | (none) | extra pairs, comma-separated `target+draft` (hub ids or local folders) |
 | SPECEXTEND_HUB | 0 | 1 lets the app download from the Hugging Face hub (else HF_HUB_OFFLINE=1) |
 | SPECEXTEND_MAX_UPLOAD_KB | 1024 | largest document upload accepted |
+| SPECEXTEND_MAX_DOCUMENT_CHARS | 400000 | longest document text however it arrives (upload, paste, API), checked before tokenizing |
 | SPECEXTEND_MAX_TRACE_KB | 16384 | largest trace file accepted for replay |
 | SPECEXTEND_MAX_NEW_TOKENS | 1024 | largest max_new_tokens a user may ask for |
 | SPECEXTEND_CONCURRENCY | 1 | generations running at once; others wait in the queue |
@@ -81,6 +82,7 @@ class Settings:
     queue_size: int = 16
     redraw_s: float = 0.3  # shortest time between panel redraws while a run streams
     redraw_share: float = 0.05  # most of the wall time panel drawing may take
+    max_document_chars: int = 400_000  # ~100K tokens: more than any allowed model reads, cheap to refuse beyond
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> Settings:
@@ -91,6 +93,7 @@ class Settings:
             hub=env.get("SPECEXTEND_HUB", "0").strip() == "1",
             max_upload_bytes=_number(env, "SPECEXTEND_MAX_UPLOAD_KB", 1024, 1) * 1024,
             max_trace_bytes=_number(env, "SPECEXTEND_MAX_TRACE_KB", 16384, 1) * 1024,
+            max_document_chars=_number(env, "SPECEXTEND_MAX_DOCUMENT_CHARS", 400_000, 1),
             max_new_tokens=_number(env, "SPECEXTEND_MAX_NEW_TOKENS", 1024, 1),
             concurrency=_number(env, "SPECEXTEND_CONCURRENCY", 1, 1),
             queue_size=_number(env, "SPECEXTEND_QUEUE", 16, 1),

@@ -130,7 +130,7 @@ class Studio:
         if not path:
             return gr.skip(), gr.skip()
         try:
-            text = documents.read_upload(path, self.settings.max_upload_bytes)
+            text = documents.read_upload(path, self.settings.max_upload_bytes, self.settings.max_document_chars)
         except DocumentError as exc:
             return gr.skip(), f"<div class='se-bad'>{html.escape(str(exc))}</div>"
         return text, gr.skip()
@@ -139,6 +139,7 @@ class Studio:
         if not text or not text.strip():
             return "<div class='se-muted'>No document yet: pick a sample, paste text, or upload a .txt/.md file.</div>"
         try:
+            documents.check_text(text, self.settings.max_document_chars)  # before counting: oversized text costs nothing
             loaded = self.pairs.peek(self.settings.pair(pair_key))
         except ValueError as exc:
             return f"<div class='se-bad'>{html.escape(str(exc))}</div>"
@@ -157,7 +158,7 @@ class Studio:
             chart_every: float, *knob_values: Any) -> Iterator[tuple]:
         state.stop()
         try:
-            text = documents.check_text(document)
+            text = documents.check_text(document, self.settings.max_document_chars)
             if not task or not task.strip():
                 raise ValueError("The task is empty: say what to do with the document (for example, summarize it).")
             choice = self.settings.pair(pair_key)
@@ -284,7 +285,8 @@ class Studio:
             from specextend import needle
 
             choice = self.settings.pair(pair_key)
-            text = documents.check_text(documents.sample_text(haystack)[: int(length)] if haystack else "")
+            text = documents.check_text(documents.sample_text(haystack)[: int(length)] if haystack else "",
+                                        self.settings.max_document_chars)
             planted = needle.generate(text, float(depth) / 100.0, seed=int(seed or 0))
             knobs = Knobs(max_new_tokens=max_new, top_k=top_k, retrieve_every=1, k=4)
             build_config("specextend", knobs, (), self.settings.max_new_tokens)

@@ -261,6 +261,10 @@ class AttentionConfig:
             raise ValueError(f"steps must be 'auto', 'eager', 'static' or 'captured', got {self.steps!r}")
 
 
+MAX_TEMPERATURE = 10.0  # beyond this, sampling is close to uniform: a slip, not a setting
+MAX_SEED = 2**63 - 1  # what torch's generator takes
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     """One request: the method, its knobs, and when to stop."""
@@ -282,8 +286,10 @@ class GenerationConfig:
             raise ValueError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:  # also rejects NaN
+            raise ValueError(f"temperature must be between 0 (greedy) and {MAX_TEMPERATURE:g}, got {self.temperature}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be a whole number from 0 to {MAX_SEED}, got {self.seed}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.cmr and self.method in ("autoregressive", "lookup", "streaming"):

@@ -42,7 +42,8 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    settings = Settings(port=free_port(), max_upload_bytes=4096, max_new_tokens=256, concurrency=1)
+    settings = Settings(port=free_port(), max_upload_bytes=4096, max_new_tokens=256, concurrency=1,
+                        max_document_chars=20_000)
     demo = build_app(fake_factory(step_s=0.02, max_positions=2048), settings)
     launch(demo, settings, prevent_thread_lock=True, quiet=True)
     yield f"http://127.0.0.1:{settings.port}/"
@@ -120,6 +121,9 @@ def test_uploads_are_checked(client, tmp_path):
         "empty.txt": (b"  \n ", "The document is empty"),
         "binary.txt": (b"\x00\x01\x02abc", "binary file"),
         "latin1.txt": ("caf\xe9".encode("latin-1"), "not valid UTF-8"),
+        "utf16.txt": ("héllo, wörld".encode("utf-16"), "is UTF-16 text; save it as UTF-8"),
+        "utf16le.txt": ("hello, world, no byte-order mark".encode("utf-16-le"), "is UTF-16 text"),
+        "utf32.txt": ("héllo".encode("utf-32"), "is UTF-32 text"),
         "big.txt": (b"x" * 5000, "accepts documents up to 4 KB"),
         "image.png": (b"\x89PNG", "not a .txt or .md file"),
     }
@@ -137,6 +141,18 @@ def test_uploads_are_checked(client, tmp_path):
             assert text == data.decode("utf-8"), name
         else:
             assert message in info, (name, info)
+
+
+def test_an_oversized_text_is_refused_before_tokenizing(client):
+    """Sent past the upload check (pasted or through the API), a long text is refused by its length alone: the
+    run and the document readout both answer at once, and the server keeps serving."""
+    started = time.perf_counter()
+    status = client.predict(*run_args(document="word " * 6000), api_name="/run")[0]
+    assert "30,000 characters" in status and "up to 20,000 characters" in status
+    info = client.predict("word " * 6000, BUNDLED, api_name="/document_info")
+    assert "up to 20,000 characters" in info
+    assert time.perf_counter() - started < 10
+    assert "Done." in client.predict(*run_args(race=(), max_new=8), api_name="/run")[0]
 
 
 def test_stop_ends_a_run_midway(client):
@@ -186,6 +202,8 @@ def test_settings_default_to_localhost_and_the_bundled_pair_only():
         settings.pair("meta-llama/Llama-3.1-8B-Instruct+meta-llama/Llama-3.2-1B-Instruct")
     allowed = Settings.from_env({"SPECEXTEND_PAIRS": "a/target+a/draft, b/t + b/d", "GRADIO_SERVER_NAME": "0.0.0.0"})
     assert allowed.host == "0.0.0.0" and allowed.pair("b/t+b/d").draft == "b/d"
+    assert settings.max_document_chars == 400_000
+    assert Settings.from_env({"SPECEXTEND_MAX_DOCUMENT_CHARS": "5000"}).max_document_chars == 5000
     with pytest.raises(ValueError, match="target\\+draft"):
         parse_pairs("only-a-target")
 
