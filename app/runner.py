@@ -140,17 +140,25 @@ def describe(method: str, event: Event) -> str:
     return f"{name}: {type(event).__name__.lower()} at step {getattr(event, 'step', 0)}"
 
 
+REPLAY_MAX_S = 120.0  # a replay at recorded pace is sped up to end within this, whatever its timestamps say
+REPLAY_MAX_GAP_S = 2.0  # and never waits longer than this between two events
+
+
 def replay(runs: dict[str, list[Event]], speed: float) -> Callable:
-    """A `generate` that plays recorded runs back (at `speed` x their recorded pace; 0 is instant)."""
+    """A `generate` that plays recorded runs back (at `speed` x their recorded pace, 0 instant), bounded: a run
+    longer than REPLAY_MAX_S is sped up, no wait exceeds REPLAY_MAX_GAP_S, and Stop ends a wait at once."""
 
     def generate(prompt_ids: list[int], config: GenerationConfig, stop: threading.Event | None) -> Iterable[Event]:
+        events = runs[config.method]
         began = time.perf_counter()
-        for event in runs[config.method]:
-            if stop is not None and stop.is_set():
+        pace = max(speed, max((e.t_s for e in events), default=0.0) / REPLAY_MAX_S) if speed > 0 else 0.0
+        stop = stop or threading.Event()
+        for event in events:
+            if pace > 0:
+                stop.wait(min(REPLAY_MAX_GAP_S, max(0.0, event.t_s / pace - (time.perf_counter() - began))))
+            if stop.is_set():
                 yield Finished(event.t_s, 0.0, (), "stopped", 0, len(prompt_ids), "replay stopped")
                 return
-            if speed > 0:
-                time.sleep(max(0.0, event.t_s / speed - (time.perf_counter() - began)))
             yield event
 
     return generate

@@ -8,7 +8,7 @@ and the limits that keep a shared app serving. Knows nothing of gradio or models
 | SPECEXTEND_PAIRS | (none) | extra pairs, comma-separated `target+draft` (hub ids or local folders) |
 | SPECEXTEND_HUB | 0 | 1 lets the app download from the Hugging Face hub (else HF_HUB_OFFLINE=1) |
 | SPECEXTEND_MAX_UPLOAD_KB | 1024 | largest document upload accepted |
-| SPECEXTEND_MAX_DOCUMENT_CHARS | 400000 | longest document text however it arrives (upload, paste, API), checked before tokenizing |
+| SPECEXTEND_MAX_DOCUMENT_CHARS | 400000 | longest document text however it arrives, checked before tokenizing |
 | SPECEXTEND_MAX_TRACE_KB | 16384 | largest trace file accepted for replay |
 | SPECEXTEND_MAX_NEW_TOKENS | 1024 | largest max_new_tokens a user may ask for |
 | SPECEXTEND_CONCURRENCY | 1 | generations running at once; others wait in the queue |

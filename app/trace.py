@@ -1,5 +1,6 @@
 """Trace files: a finished click's runs exported as JSON with the text of every token they mention, so
 that it replays with no model or tokenizer loaded. Also reads a plain engine trace (a list of events).
+A trace is untrusted input: it is checked whole (types, ranges, structure) before anything replays.
 Knows events; knows nothing of gradio or models.
 """
 
@@ -9,6 +10,7 @@ import json
 from typing import Any, Mapping, Sequence
 
 from specextend import events as ev
+from specextend.config import METHODS
 from specextend.events import Drafted, Event, Started, Verified
 
 FORMAT = "specextend-studio-trace/1"
@@ -58,25 +60,112 @@ class TableCodec:
     text = decode  # the table keeps each token's text as recorded, special tokens included
 
 
+MAX_TOKEN_ID = 2**31 - 1  # larger than any vocabulary
+
+
 def loads(text: str) -> tuple[dict[str, list[Event]], TableCodec, dict[str, Any]]:
-    """(runs by method, a codec for their tokens, meta) from a studio trace or a plain engine trace."""
+    """(runs by method, a codec for their tokens, meta) from a studio trace or a plain engine trace. Everything
+    is checked before anything is replayed: types and ranges per field (events.from_dict), then each run's
+    structure (`check_run`); the first problem is a TraceError that says where it is."""
     try:
         data = json.loads(text)
+    except RecursionError:
+        raise TraceError("the file is nested too deeply to be a trace") from None
     except ValueError as exc:
         raise TraceError(f"not a JSON file: {exc}") from None
     try:
         if isinstance(data, list):
-            events = [ev.from_dict(d) for d in data]
+            events = [event(d, i) for i, d in enumerate(data)]
             method = next((e.method for e in events if isinstance(e, Started)), "")
             if not method:
                 raise TraceError("the trace has no Started event, so its method is unknown")
-            return {method: events}, TableCodec({}), {}
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            runs, table, meta = {method: events}, {}, {}
+        elif isinstance(data, dict) and data.get("format") == FORMAT:
+            runs, table, meta = _studio(data)
+        else:
             raise TraceError(f"not a SpecExtend trace (expected a list of events or format {FORMAT!r})")
-        runs = {str(m): [ev.from_dict(d) for d in events] for m, events in data["runs"].items()}
-        table = {int(k): str(v) for k, v in data.get("tokens", {}).items()}
-    except (KeyError, TypeError, AttributeError) as exc:
-        raise TraceError(f"the trace is malformed ({type(exc).__name__}: {exc})") from None
+    except ValueError as exc:
+        raise TraceError(str(exc)) from None
     if not runs or not any(runs.values()):
         raise TraceError("the trace holds no events")
-    return runs, TableCodec(table), dict(data.get("meta", {}))
+    for method, events in runs.items():
+        check_run(method, events)
+    return runs, TableCodec(table), meta
+
+
+def _studio(data: dict) -> tuple[dict[str, list[Event]], dict[int, str], dict[str, Any]]:
+    runs, tokens, meta = data.get("runs"), data.get("tokens", {}), data.get("meta", {})
+    if not isinstance(runs, dict) or not all(isinstance(e, list) for e in runs.values()):
+        raise TraceError("'runs' should map each method's name to a list of events")
+    if not isinstance(tokens, dict) or not all(isinstance(v, str) for v in tokens.values()):
+        raise TraceError("'tokens' should map token ids to their text")
+    if not isinstance(meta, dict):
+        raise TraceError("'meta' should be an object")
+    table = {}
+    for key, value in tokens.items():
+        if not key.isdigit() or int(key) > MAX_TOKEN_ID:
+            raise TraceError(f"'tokens' has the key {key!r:.30}, which is not a token id")
+        table[int(key)] = value
+    return {m: [event(d, i, m) for i, d in enumerate(events)] for m, events in runs.items()}, table, meta
+
+
+def event(data: Any, index: int, method: str = "") -> Event:
+    try:
+        return ev.from_dict(data)
+    except ValueError as exc:
+        raise TraceError(f"{method + ' ' if method else ''}event {index}: {exc}") from None
+
+
+def check_run(method: str, events: Sequence[Event]) -> None:
+    """The structure the panels rely on: a known method that starts with its Started event; token ids, node
+    indices, chunk spans and selections in range; every node list as long as its tree."""
+    if method not in METHODS:
+        raise TraceError(f"{method!r:.40} is not a method this app runs ({', '.join(METHODS)})")
+    if not events or not isinstance(events[0], Started) or events[0].method != method:
+        raise TraceError(f"the {method} run should begin with its Started event")
+    trees: dict[int, int] = {}  # step -> nodes drafted
+    for i, e in enumerate(events):
+        where = f"{method} event {i} ({type(e).__name__})"
+        if isinstance(e, Started) and i:
+            raise TraceError(f"{where}: a run starts once")
+        for ids in _token_ids(e):
+            if any(not 0 <= t <= MAX_TOKEN_ID for t in ids):
+                raise TraceError(f"{where}: token ids must lie in [0, {MAX_TOKEN_ID}]")
+        if any(getattr(e, name, 0) < 0 for name in ("step", "position", "prompt_len", "done", "total", "total_new",
+                                                    "seq_len", "steps", "working_cache_len")):
+            raise TraceError(f"{where}: counts and positions cannot be negative")
+        if isinstance(e, Drafted):
+            n = len(e.tokens)
+            if len(e.parents) != n or len(e.draft_probs) != n or len(e.sources) not in (0, n) or len(e.origins) not in (0, n):
+                raise TraceError(f"{where}: tokens, parents, probabilities, sources and origins must be as long as each other")
+            if any(not -1 <= p < k for k, p in enumerate(e.parents)):
+                raise TraceError(f"{where}: a node's parent must be an earlier node or the root (-1)")
+            if any(s not in ev.SOURCES for s in e.sources):
+                raise TraceError(f"{where}: sources must be one of {', '.join(ev.SOURCES)}")
+            trees[e.step] = n
+        elif isinstance(e, Verified):
+            n = trees.get(e.step, len(e.accepted))
+            if len(e.accepted) != n or any(not 0 <= k < n for k in e.accepted_nodes):
+                raise TraceError(f"{where}: the verdict must cover the step's drafted nodes")
+            if e.num_accepted != len(e.accepted_nodes):
+                raise TraceError(f"{where}: num_accepted must count the accepted nodes")
+        elif isinstance(e, ev.Retrieved):
+            n = len(e.chunk_spans)
+            if e.chunk_size < 1 or any(not 0 <= a < b for a, b in (*e.chunk_spans, *e.kept_spans)):
+                raise TraceError(f"{where}: chunks need a positive size and spans [start, end) with start < end")
+            if len(e.scores) not in (0, n) or any(not 0 <= c < n for c in e.selected):
+                raise TraceError(f"{where}: scores and selected chunks must refer to the trace's chunks")
+
+
+def _token_ids(e: Event) -> tuple[tuple[int, ...], ...]:
+    if isinstance(e, Started):
+        return (e.prompt_ids,)
+    if isinstance(e, Drafted):
+        return (e.tokens,)
+    if isinstance(e, Verified):
+        return (e.committed, (e.bonus_token,))
+    if isinstance(e, ev.Prefilled):
+        return ((e.first_token,),)
+    if isinstance(e, ev.Finished):
+        return (e.token_ids,)
+    return ()

@@ -9,9 +9,10 @@ tokenizers or figures.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+import math
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Iterable, Union
+from typing import Any, Iterable, Union, get_args, get_origin, get_type_hints
 
 
 SOURCES = ("draft", "lookup", "both")  # who proposed a draft node: the draft model, a lookup, or both
@@ -132,19 +133,85 @@ def to_dict(event: Event) -> dict[str, Any]:
     return {"type": type(event).__name__, **asdict(event)}
 
 
-def _tuples(value: Any) -> Any:
-    if isinstance(value, list):
-        return tuple(_tuples(v) for v in value)
+LIMIT = 10**12  # the largest magnitude a number in an event may have (timestamps, ids, counts)
+MAX_DEPTH = 12  # the deepest nesting a config may have
+
+
+def _kind(hint) -> str:
+    """A type hint in words, for messages."""
+    if hint is float:
+        return "a number"
+    if hint is int:
+        return "a whole number"
+    if hint is bool:
+        return "true or false"
+    if hint is str:
+        return "a string"
+    if get_origin(hint) is tuple:
+        args = get_args(hint)
+        inner = args[0] if len(args) == 2 and args[1] is Ellipsis else None
+        return f"a list of {_kind(inner)}s" if inner is not None else f"a list of {len(args)} items"
+    return "an object"
+
+
+def _checked(value: Any, hint, where: str, depth: int = 0) -> Any:
+    """`value` as the type `hint` wants it (lists become tuples), or a ValueError saying where it is wrong."""
+    bad = ValueError(f"{where} should be {_kind(hint)}, got {type(value).__name__} {value!r:.40}")
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if hint in (int, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (hint is int and not isinstance(value, int)):
+            raise bad
+        if not math.isfinite(value) or abs(value) > LIMIT:
+            raise ValueError(f"{where} is {value!r:.40}: out of range (at most {LIMIT:.0e} in size)")
+        return value
+    if hint is str:
+        if not isinstance(value, str):
+            raise bad
+        return value
+    if get_origin(hint) is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        args = get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_checked(v, args[0], f"{where}[{i}]", depth + 1) for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise bad
+        return tuple(_checked(v, a, f"{where}[{i}]", depth + 1) for i, (v, a) in enumerate(zip(value, args)))
+    if not isinstance(value, dict):  # dict[str, Any]: a config, any JSON, bounded in depth
+        raise bad
+    _bounded(value, where, depth)
     return value
 
 
+def _bounded(value: Any, where: str, depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise ValueError(f"{where} is nested more than {MAX_DEPTH} levels deep")
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    for child in children:
+        _bounded(child, where, depth + 1)
+
+
 def from_dict(data: dict[str, Any]) -> Event:
+    """An event from its JSON form, every field checked against the event's types (a ValueError names the first
+    field that is wrong); fields the event does not have are ignored."""
+    if not isinstance(data, dict):
+        raise ValueError(f"an event should be an object, got {type(data).__name__}")
     data = dict(data)
-    cls = EVENT_TYPES.get(data.pop("type", None))
+    kind = data.pop("type", None)
+    cls = EVENT_TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise ValueError(f"not a known event type: {data!r:.80}")
-    names = {f.name for f in fields(cls)}
-    return cls(**{k: (v if k == "config" else _tuples(v)) for k, v in data.items() if k in names})
+        raise ValueError(f"{kind!r:.40} is not a kind of event ({', '.join(EVENT_TYPES)})")
+    hints = get_type_hints(cls)
+    values = {}
+    for f in fields(cls):
+        if f.name in data:
+            values[f.name] = _checked(data[f.name], hints[f.name], f"{kind}.{f.name}")
+        elif f.default is MISSING:
+            raise ValueError(f"{kind} has no {f.name!r}")
+    return cls(**values)
 
 
 def dumps(events: Iterable[Event]) -> str:

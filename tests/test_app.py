@@ -91,7 +91,9 @@ def test_a_run_streams_every_panel_and_exports_a_replayable_trace(client):
     (run_args(document="   \n"), "The document is empty"),
     (run_args(top_k=1), "top_k=1 leaves no room"),
     (run_args(chunk=0), "chunk_size must be at least 1"),
-    (run_args(temperature=-1), "temperature must be >= 0"),
+    (run_args(temperature=-1), "temperature must be between 0 (greedy) and 10"),
+    (run_args(temperature=1e6), "temperature must be between 0 (greedy) and 10, got 1000000.0"),
+    (run_args(seed=2**80), f"seed must be a whole number from 0 to {2**63 - 1}"),
     (run_args(document=" ".join(["long"] * 2100)), "exceeds the model's limit of 2,048 positions"),
 ])
 def test_bad_input_gets_a_clear_message_and_the_app_keeps_serving(client, args, message):

@@ -7,6 +7,8 @@ metrics of a small hand-built trace come out exactly as worked out by hand.
 
 from __future__ import annotations
 
+import re
+
 import dataclasses
 import json
 import math
@@ -137,17 +139,43 @@ def test_started_with_engine_config_round_trips():
 
 
 def test_from_dict_rejects_unknown_types_and_ignores_unknown_fields():
-    with pytest.raises(ValueError, match="not a known event type"):
+    with pytest.raises(ValueError, match="'Exploded' is not a kind of event"):
         ev.from_dict({"type": "Exploded", "t_s": 0.0})
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="None is not a kind of event"):
         ev.from_dict({"t_s": 0.0})
     data = ev.to_dict(Prefilling(0.1, 0.1, "draft", 3, 9))
     data["added_later"] = [1, 2]
     assert ev.from_dict(data) == Prefilling(0.1, 0.1, "draft", 3, 9)
 
 
-floats = st.floats(allow_nan=False, allow_infinity=False, width=64)
-ints = st.integers(-(2**40), 2**40)
+@pytest.mark.parametrize("change,message", [
+    ({"done": "3"}, "Prefilling.done should be a whole number, got str"),
+    ({"done": 3.5}, "Prefilling.done should be a whole number"),
+    ({"done": True}, "Prefilling.done should be a whole number, got bool"),
+    ({"t_s": float("inf")}, "Prefilling.t_s is inf: out of range"),
+    ({"t_s": 1e300}, "out of range"),
+    ({"model": ["target"]}, "Prefilling.model should be a string"),
+    ({"total": None}, "Prefilling.total should be a whole number, got NoneType"),
+])
+def test_from_dict_names_the_first_wrong_field(change, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ev.from_dict({**ev.to_dict(Prefilling(0.1, 0.1, "draft", 3, 9)), **change})
+    with pytest.raises(ValueError, match="Prefilling has no 'total'"):
+        ev.from_dict({"type": "Prefilling", "t_s": 0.0, "elapsed_s": 0.0, "model": "draft", "done": 1})
+    with pytest.raises(ValueError, match=re.escape("Verified.committed[1] should be a whole number")):
+        ev.from_dict({**ev.to_dict(Verified(0.0, 0.0, 1, 5, (), (), 0, 7, (7,), 1)), "committed": [7, "x"]})
+    with pytest.raises(ValueError, match=re.escape("Retrieved.chunk_spans[0] should be a list of 2 items")):
+        ev.from_dict({**ev.to_dict(Retrieved(0.0, 0.0, 0, "cmr", 64, 32, ((0, 32),), (1.0,), (0,), ((0, 32),), 32)),
+                      "chunk_spans": [[0, 32, 64]]})
+    deep: dict = {}
+    for _ in range(40):
+        deep = {"x": deep}
+    with pytest.raises(ValueError, match="nested more than"):
+        ev.from_dict({**ev.to_dict(Started(0.0, 0.0, "specextend", (1,), {}, 2, 1, "cpu", "float32")), "config": deep})
+
+
+floats = st.floats(-ev.LIMIT, ev.LIMIT)  # what an event's numbers may be
+ints = st.integers(-ev.LIMIT, ev.LIMIT)
 int_tuples = st.lists(ints, max_size=6).map(tuple)
 span_tuples = st.lists(st.tuples(ints, ints), max_size=5).map(tuple)
 random_events = st.one_of(

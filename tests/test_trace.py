@@ -1,0 +1,138 @@
+"""Traces as untrusted input, and replay as a bounded job.
+
+Fuzzed with hypothesis over the trace schema: a file is either refused with a TraceError (one message that
+says where the problem is) or loads into runs every panel can draw. Wrong types, unknown kinds, runs as
+the wrong container, non-numeric token keys and deep nesting are refused. A replay at recorded pace never
+waits long between events, ends within its bound whatever the timestamps say, and Stop ends it at once.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import get_args, get_origin, get_type_hints
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from app.panels import main_view
+from app.runner import REPLAY_MAX_GAP_S, replay
+from app.trace import FORMAT, TraceError, loads
+from specextend import events as ev
+from specextend.config import METHODS, preset
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=4),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+                    max_leaves=8)
+
+
+def values(hint, low: int = -1) -> st.SearchStrategy:
+    """Values of a field's type, small enough to collide: indices in and out of range, and (from `low`) negatives."""
+    if hint is float:
+        return st.floats(float(low), 50.0)
+    if hint is bool:
+        return st.booleans()
+    if hint is int:
+        return st.integers(low, 12)
+    if hint is str:
+        return st.sampled_from(["cmr", "streaming", "full", "target", "draft", "lookup", "both", "", "x"])
+    if get_origin(hint) is tuple:
+        args = get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return st.lists(values(args[0], low), max_size=5)
+        return st.tuples(*(values(a, low) for a in args)).map(list)
+    return st.just({})
+
+
+@st.composite
+def event_dict(draw, kind: type, method: str, clean: bool) -> dict:
+    """An event of `kind` in JSON form. Clean: every field of its type, no negative count (parents and origins may
+    be -1); otherwise any field may be negative, and one may be any JSON at all."""
+    hints = get_type_hints(kind)
+    data = {"type": kind.__name__}
+    for name, hint in hints.items():
+        data[name] = draw(values(hint, -1 if not clean or name in ("parents", "origins") else 0))
+    if kind is ev.Started:
+        data["method"], data["prompt_ids"] = method, draw(st.lists(st.integers(0, 12), min_size=1, max_size=5))
+    if not clean and draw(st.booleans()):
+        data[draw(st.sampled_from(sorted(data)))] = draw(JSON)
+    return data
+
+
+@st.composite
+def traces(draw) -> str:
+    """A studio trace: clean in shape about half the time (known methods, each run opened by its Started event,
+    token ids as keys), its fields' values free to disagree with each other; otherwise anything goes."""
+    clean = draw(st.booleans())
+    runs = {}
+    names = METHODS if clean else [*METHODS, "beam"]
+    for method in draw(st.lists(st.sampled_from(names), min_size=1, max_size=3, unique=True)):
+        kinds = draw(st.lists(st.sampled_from(list(ev.EVENT_TYPES.values())), max_size=8))
+        opened = clean or draw(st.booleans())
+        runs[method] = [draw(event_dict(ev.Started, method, True))] * opened + [
+            draw(event_dict(k, method, clean)) for k in kinds if not (clean and k is ev.Started)]
+    keys = st.sampled_from(["1", "2", "3", "4", "5"] if clean else ["1", "2", "x", "-3"])
+    tokens = draw(st.dictionaries(keys, st.text(max_size=3), max_size=3))
+    return json.dumps({"format": FORMAT, "runs": runs, "tokens": tokens, "meta": {}})
+
+
+@given(traces())
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_a_trace_is_refused_with_a_message_or_draws(text):
+    try:
+        runs, codec, _ = loads(text)
+    except TraceError as exc:
+        assert str(exc) and "Traceback" not in str(exc)
+        return
+    for primary in runs:
+        view = main_view(runs, primary, codec.decode, charts=True)
+        assert view.output and view.readout is not None
+
+
+@pytest.mark.parametrize("text,message", [
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ("not json", "not a JSON file"),
+    (json.dumps({"format": FORMAT, "runs": [1, 2]}), "'runs' should map each method's name to a list of events"),
+    (json.dumps({"format": FORMAT, "runs": {"specextend": {"0": {}}}}), "'runs' should map"),
+    (json.dumps({"format": FORMAT, "runs": {}, "tokens": {"seven": "x"}}), "not a token id"),
+    (json.dumps([{"type": "Exploded"}]), "event 0: 'Exploded' is not a kind of event"),
+    (json.dumps([{"type": "Prefilling", "t_s": "soon", "elapsed_s": 0, "model": "target", "done": 1, "total": 2}]),
+     "event 0: Prefilling.t_s should be a number, got str"),
+    (json.dumps({"format": FORMAT, "runs": {"beam": [ev.to_dict(ev.Finished(0.0, 0.0, (), "eos", 0, 3))]}}),
+     "'beam' is not a method this app runs"),
+    (json.dumps([ev.to_dict(ev.Started(0.0, 0.0, "specextend", (-5,), {}, 2, 1, "cpu", "float32"))]),
+     "token ids must lie in"),
+])
+def test_each_kind_of_problem_gets_its_message(text, message):
+    with pytest.raises(TraceError, match=message):
+        loads(text)
+
+
+def run_of(times: list[float]) -> dict:
+    started = ev.Started(0.0, 0.0, "autoregressive", (1, 2), {}, 2, 0, "cpu", "float32")
+    steps = [ev.Verified(t, 0.0, i + 1, 2 + i, (), (), 0, 5, (5,), i + 1) for i, t in enumerate(times)]
+    return {"autoregressive": [started, *steps]}
+
+
+def test_a_replay_at_recorded_pace_never_waits_long_and_stops_at_once():
+    runs = run_of([1e9, 2e9, 3e9])  # timestamps of decades
+    stop = threading.Event()
+    events = replay(runs, 1.0)([1, 2], preset("autoregressive"), stop)
+    began = time.perf_counter()
+    assert isinstance(next(events), ev.Started)
+    assert isinstance(next(events), ev.Verified)
+    assert time.perf_counter() - began <= REPLAY_MAX_GAP_S + 0.5
+    threading.Timer(0.2, stop.set).start()
+    began = time.perf_counter()
+    last = next(events)
+    assert isinstance(last, ev.Finished) and last.stop_reason == "stopped"
+    assert time.perf_counter() - began < 1.0
+
+
+def test_instant_replay_plays_everything_at_once():
+    runs = run_of([5.0, 10.0])
+    began = time.perf_counter()
+    assert len(list(replay(runs, 0.0)([1, 2], preset("autoregressive"), None))) == 3
+    assert time.perf_counter() - began < 0.5
