@@ -5,6 +5,7 @@ Knows the visualizers and the metrics; knows nothing of gradio or threads.
 from __future__ import annotations
 
 import html
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -53,7 +54,7 @@ def exactness(runs: Mapping[str, Sequence[Event]], primary: str, decode: Decode)
 
 
 def main_view(runs: Mapping[str, Sequence[Event]], primary: str, decode: Decode, charts: bool = True,
-              text: Decode | None = None) -> View:
+              text: Decode | None = None, load: float | None = None) -> View:
     """The main tab's panels; with `charts` False the three figures are left out (None).
 
     `decode` shows special tokens (chunk and draft-token hovers); `text`, if given, is used for prose
@@ -68,7 +69,7 @@ def main_view(runs: Mapping[str, Sequence[Event]], primary: str, decode: Decode,
         far=far_html(events, text),
         acceptance=acceptance_spec(events, decode) if charts else None,
         throughput=throughput_spec(runs) if charts else None,
-        readout=throughput_html(runs),
+        readout=throughput_html(runs, load),
     )
 
 
@@ -78,8 +79,18 @@ def needle_view(runs: Mapping[str, Sequence[Event]], span: tuple[int, int], prom
     return needle_spec(runs, span, prompt_len), answer_html(runs, text, expected, span)
 
 
-def status_html(lines: Sequence[str], error: str = "") -> str:
+def status_html(lines: Sequence[str], error: str = "", details: str = "") -> str:
+    """The status line: an error first if any, then the lines; `details` (operator telemetry) folded away."""
     body = "<br>".join(html.escape(x) for x in lines if x)
     if error:
         body = f"<div class='se-bad'>{html.escape(error)}</div>{body}"
+    if details:
+        body += f"<details class='se-muted'><summary>drawing cost</summary>{html.escape(details)}</details>"
     return f"<div class='se-status'>{body}</div>"
+
+
+def machine_load() -> float | None:
+    """The machine's one-minute load per core (above 1: work waited for a core), where the system tells it."""
+    if not hasattr(os, "getloadavg"):
+        return None
+    return os.getloadavg()[0] / (os.cpu_count() or 1)

@@ -23,7 +23,7 @@ from visualizers.common import ending, label
 from . import documents
 from .backend import EngineFactory, PairCache, Prompt, real_factory
 from .documents import DocumentError
-from .panels import main_view, needle_view, status_html
+from .panels import machine_load, main_view, needle_view, status_html
 from .runner import Job, Knobs, RedrawMeter, build_config, replay
 from .settings import Settings
 from .trace import TraceError, dumps, loads
@@ -220,7 +220,8 @@ class Studio:
 
     def _main_draw(self, primary: str) -> Draw:
         def draw(job: Job, runs, decode, charts: bool) -> list:
-            view = main_view(runs, primary, decode, charts, text=job.codec.text if job.codec else None)
+            view = main_view(runs, primary, decode, charts, text=job.codec.text if job.codec else None,
+                             load=machine_load() if job.done.is_set() else None)
             return [view.output, view.exactness, view.retrieval, view.far, view.acceptance, view.throughput, view.readout]
 
         return draw
@@ -262,9 +263,9 @@ class Studio:
                 if finished and runs:  # after the run: not counted as drawing cost
                     download = gr.DownloadButton(value=self._export(runs, decode, export), visible=True)
                 values.append(download)
-            lines = [job.status, meter.line()] if not finished else [
-                "Done." if not job.error else "", *(f"{label(m)}: {ending(ev)}" for m, ev in runs.items()), meter.line()]
-            yield (status_html(lines, job.error), *values)
+            lines = [job.status] if not finished else [
+                "Done." if not job.error else "", *(f"{label(m)}: {ending(ev)}" for m, ev in runs.items())]
+            yield (status_html(lines, job.error, meter.line()), *values)
             meter.resumed()
             if finished:
                 return

@@ -158,7 +158,11 @@ def test_throughput_has_one_curve_per_method_ending_at_its_token_count():
     bars = {d["name"] for d in spec["data"] if d["type"] == "bar"}
     assert bars == {"prefill", "drafting", "verification", "retrieval", "other"}
     table = throughput_html(runs)
-    assert table.count("<tr>") == 4 and "speedup vs target alone" in table and "×" in table
+    assert table.count("<tr>") == 4 and "speedup vs target alone" in table
+    assert "speedup vs speculative (full draft cache)" in table and table.count("×") == 4  # two per other method
+    assert "busy" not in table and "busy" in throughput_html(runs, load=2.5)
+    alone = throughput_html({"specextend": runs["specextend"]})
+    assert "speedup" not in alone.split("</thead>")[0] and "×" not in alone
 
 
 def test_output_html_colours_accepted_draft_tokens_and_escapes_text():

@@ -23,7 +23,7 @@ PHASE_COLORS = {
     "retrieval": "#f4a261",
     "other": "#e9ecef",
 }
-REFERENCES = ("autoregressive", "speculative")  # speedups are read against the first of these present
+REFERENCES = ("autoregressive", "speculative")  # speedups are read against each of these that ran
 
 
 def phase_breakdown(events: Sequence[Event]) -> dict[str, float]:
@@ -79,26 +79,32 @@ def throughput_spec(runs: Mapping[str, Sequence[Event]]) -> Spec:
     return {"data": data, "layout": layout}
 
 
-def throughput_html(runs: Mapping[str, Sequence[Event]]) -> str:
-    """A table of tokens, time, tokens/s and speedup per run, as HTML."""
+def throughput_html(runs: Mapping[str, Sequence[Event]], load: float | None = None) -> str:
+    """A table of tokens, time and tokens/s per run, with the speedup against each reference that ran (the target
+    alone, standard speculative decoding), and a note on how far one run's timings can be trusted. `load`: the
+    machine's load per core while it ran, when known (above 1, runs waited for a core)."""
     summaries = {m: summarize(ev) for m, ev in runs.items() if ev}
     if not summaries:
         return ""
-    reference = next((m for m in REFERENCES if m in summaries and summaries[m].e2e_tokens_per_s > 0), None)
+    references = [m for m in REFERENCES if m in summaries and summaries[m].e2e_tokens_per_s > 0]
     rows = []
     for method, s in summaries.items():
-        speedup = ""
-        if reference and reference != method and s.e2e_tokens_per_s > 0:
-            speedup = f"{s.e2e_tokens_per_s / summaries[reference].e2e_tokens_per_s:.2f}×"
+        cells = "".join(
+            f"<td><b>{s.e2e_tokens_per_s / summaries[r].e2e_tokens_per_s:.2f}×</b></td>"
+            if r != method and s.e2e_tokens_per_s > 0 else "<td></td>" for r in references)
         rows.append(
             f"<tr><td><span style='color:{color(method)}'>■</span> {html.escape(with_lookup(runs[method], label(method)))}</td>"
             f"<td>{html.escape(ending(runs[method]))}</td><td>{s.new_tokens}</td><td>{s.total_s:.2f} s</td>"
             f"<td><b>{s.e2e_tokens_per_s:.1f}</b></td><td>{s.decode_tokens_per_s:.1f}</td>"
-            f"<td>{s.mean_accepted:.2f}</td><td><b>{speedup}</b></td></tr>"
+            f"<td>{s.mean_accepted:.2f}</td>{cells}</tr>"
         )
-    against = f" vs {html.escape(label(reference))}" if reference else ""
+    heads = "".join(f"<th>speedup vs {html.escape(label(r))}</th>" for r in references)
+    note = ("Speedups are end to end (prefill included) from one run of each method on the same input; on a shared "
+            "machine a single run can be off by 10% or more.")
+    if load is not None and load > 1.0:
+        note += f" The machine was busy while this ran (load {load:.1f} per core): expect more noise than that."
     return (
         "<table class='se-table'><thead><tr><th>method</th><th>status</th><th>tokens</th><th>time</th>"
         "<th>tokens/s (incl. prefill)</th><th>decode tokens/s</th><th>tokens per step</th>"
-        f"<th>speedup{against}</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
+        f"{heads}</tr></thead><tbody>{''.join(rows)}</tbody></table><div class='se-muted'>{html.escape(note)}</div>"
     )
