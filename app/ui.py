@@ -155,7 +155,7 @@ class Studio:
 
     # --- runs ------------------------------------------------------------------------------------
     def run(self, state: SessionState, document: str, task: str, pair_key: str, method: str, race: list[str],
-            chart_every: float, *knob_values: Any) -> Iterator[tuple]:
+            chart_every: str | float, *knob_values: Any) -> Iterator[tuple]:
         state.stop()
         try:
             text = documents.check_text(document, self.settings.max_document_chars)
@@ -182,7 +182,8 @@ class Studio:
         yield from self._stream(state.job, self._main_draw(method), {"pair": choice.label, "task": task, "primary": method},
                                 chart_every)
 
-    def replay(self, state: SessionState, path: str | None, pace: str, chart_every: float | None = None) -> Iterator[tuple]:
+    def replay(self, state: SessionState, path: str | None, pace: str, chart_every: str | float | None = None
+               ) -> Iterator[tuple]:
         state.stop()
         try:
             if not path:
@@ -227,7 +228,7 @@ class Studio:
         return draw
 
     def _stream(self, job: Job, draw: Draw, export: dict[str, Any] | None = None,
-                chart_every: float | None = None) -> Iterator[tuple]:
+                chart_every: str | float | None = None) -> Iterator[tuple]:
         """Redraw the panels from the job's snapshots until it is done; unchanged panels are not resent.
 
         `draw` gives each panel's value (HTML, a figure dict that is serialised here once with orjson
@@ -368,15 +369,18 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
                                                   "in one tree, checked in the same target pass")
                         race = gr.CheckboxGroup(label="Race on the same input, after the main run", choices=RACE_CHOICES,
                                                 value=["speculative", "autoregressive"], elem_id="race")
-                        chart_choices = [(f"live, every {settings.redraw_s:g} s", settings.redraw_s),
-                                         ("once a second", 1.0), ("when the run ends", 0.0)]
-                        charts = gr.Radio(chart_choices, value=settings.redraw_s, label="Redraw the charts",
+                        # string values: gradio's API schema describes a Radio's values as strings, so the API
+                        # takes them as its schema says
+                        chart_choices = [(f"live, every {settings.redraw_s:g} s", f"{settings.redraw_s:g}"),
+                                         ("once a second", "1"), ("when the run ends", "0")]
+                        charts = gr.Radio(chart_choices, value=f"{settings.redraw_s:g}", label="Redraw the charts",
                                           elem_id="chart-every",
                                           info="charts cost CPU in the browser: with the browser on the same small "
                                                "machine, redraw less often for clean speed numbers")
                         with gr.Accordion("Knobs", open=False):
                             max_new = gr.Slider(1, settings.max_new_tokens, value=min(k.max_new_tokens, settings.max_new_tokens),
-                                                step=1, label="max new tokens", elem_id="max-new")
+                                                step=1, label="max new tokens", elem_id="max-new",
+                                                info=f"up to {settings.max_new_tokens:,} on this server")
                             with gr.Row():
                                 chunk = gr.Number(k.chunk_size, label="chunk size (tokens)", precision=0)
                                 top_k = gr.Number(k.top_k, label="top-k chunks kept", precision=0)
@@ -445,11 +449,12 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
 
         knobs = [max_new, chunk, top_k, every, shape, chain_k, depth, budget, temperature, seed, lookup, signal]
         outputs = [status, output, exact, retrieval, far, acceptance, throughput, readout, download]
-        sample.change(studio.pick_sample, sample, document, queue=False)
+        # helpers of the page itself (a sample's text, the document readout) are not part of the public API
+        sample.change(studio.pick_sample, sample, document, queue=False, api_visibility="private")
         upload.upload(studio.upload, upload, [document, doc_info], queue=False)
         for source in (document, pair):
             source.change(studio.document_info, [document, pair], doc_info, queue=False, trigger_mode="always_last",
-                          show_progress="hidden")
+                          show_progress="hidden", api_visibility="private")
         run_btn.click(studio.run, [state, document, task, pair, method, race, charts, *knobs], outputs, api_name="run",
                       concurrency_limit=settings.concurrency, concurrency_id="generate", show_progress="minimal",
                       ).then(studio.document_info, [document, pair], doc_info, queue=False, show_progress="hidden",

@@ -31,7 +31,7 @@ KNOBS = dict(max_new=48, chunk=32, top_k=6, every=3, shape="chain", k=4, depth=5
 
 def run_args(document=DOC, method="specextend", race=("speculative", "autoregressive"), pair=BUNDLED, **knobs):
     k = {**KNOBS, **knobs}
-    return (document, "Summarize.", pair, method, list(race), 0.3, *k.values())
+    return (document, "Summarize.", pair, method, list(race), "0.3", *k.values())
 
 
 def free_port() -> int:
@@ -83,7 +83,7 @@ def test_a_run_streams_every_panel_and_exports_a_replayable_trace(client):
     assert len(curves) == 3
     assert readout.count("<tr>") == 4
 
-    replayed = client.predict(handle_file(download), "instant", 0.3, api_name="/replay")
+    replayed = client.predict(handle_file(download), "instant", "0.3", api_name="/replay")
     assert "Done." in replayed[0] and json.loads(replayed[3]["plot"])["data"][1]["y"] == steps
 
 
@@ -145,14 +145,41 @@ def test_uploads_are_checked(client, tmp_path):
             assert message in info, (name, info)
 
 
+def test_every_public_endpoint_takes_what_its_schema_describes(client, tmp_path):
+    """Each endpoint /gradio_api/info lists, called with the values its own schema gives (each parameter's
+    default, else its example; a local file where it takes a file), answers without a type error."""
+    from gradio_client import handle_file
+
+    api = client.view_api(print_info=False, return_format="dict")
+    files = {"Uploadbutton": tmp_path / "doc.txt", "File": tmp_path / "trace.json"}  # a document, a trace
+    files["Uploadbutton"].write_text("A short document about the sea. " * 20, encoding="utf-8")
+    files["File"].write_text("[]", encoding="utf-8")
+    public = set(api["named_endpoints"])
+    assert {"/run", "/stop", "/replay", "/needle", "/needle_stop", "/upload"} <= public
+    assert not any(name.startswith(("/document_info", "/pick_sample")) for name in public)  # the page's helpers
+    for name, endpoint in api["named_endpoints"].items():
+        args = []
+        for p in endpoint["parameters"]:
+            literal = re.match(r"Literal\['([^']*)'", p["python_type"]["type"])
+            if "FileData" in json.dumps(p["type"]):
+                args.append(handle_file(str(files[p["component"]])))
+            elif literal:  # a choice, passed as the schema writes it: a string
+                args.append(literal.group(1))
+            else:
+                args.append(p["parameter_default"] if p["parameter_has_default"] else p["example_input"])
+        client.predict(*args, api_name=name)  # a value outside what the schema says raises AppError here
+
+
 def test_an_oversized_text_is_refused_before_tokenizing(client):
     """Sent past the upload check (pasted or through the API), a long text is refused by its length alone: the
     run and the document readout both answer at once, and the server keeps serving."""
     started = time.perf_counter()
     status = client.predict(*run_args(document="word " * 6000), api_name="/run")[0]
     assert "30,000 characters" in status and "up to 20,000 characters" in status
-    info = client.predict("word " * 6000, BUNDLED, api_name="/document_info")
-    assert "up to 20,000 characters" in info
+    from app.ui import Studio
+
+    studio = Studio(fake_factory(), Settings(max_document_chars=20_000))
+    assert "up to 20,000 characters" in studio.document_info("word " * 6000, BUNDLED)  # the page's own readout
     assert time.perf_counter() - started < 10
     assert "Done." in client.predict(*run_args(race=(), max_new=8), api_name="/run")[0]
 
@@ -181,7 +208,7 @@ def test_replay_refuses_files_that_are_not_traces(client, tmp_path):
     path.write_text('{"hello": 1}')
     from gradio_client import handle_file
 
-    status = client.predict(handle_file(str(path)), "instant", 0.3, api_name="/replay")[0]
+    status = client.predict(handle_file(str(path)), "instant", "0.3", api_name="/replay")[0]
     assert "Cannot replay this file" in status and "not a SpecExtend trace" in status
     with pytest.raises(TraceError):
         loads("not json")
