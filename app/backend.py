@@ -77,6 +77,11 @@ class Loaded:
     device: str
     dtype: str
     heads: Callable[[list[int], tuple[int, int]], Any] | None = None
+    race: Callable[[], Generate] | None = None  # a generate whose requests on one prompt share the target's prefill
+
+    def for_click(self) -> Generate:
+        """What one click's runs generate with: they read one prompt, so the target reads it once."""
+        return self.race() if self.race is not None else self.generate
 
 
 def head_picture(pair, ids: list[int], span: tuple[int, int]):
@@ -98,7 +103,7 @@ def real_factory(choice: PairChoice, progress: Progress) -> Loaded:
     """The bundled pair (prepared on first use) or an allow-listed pair, on the GPU when there is one."""
     from transformers import AutoTokenizer
 
-    from specextend.engine import generate
+    from specextend.engine import SharedPrefill, generate
     from specextend.models import load_pair
 
     if choice.bundled:
@@ -120,7 +125,8 @@ def real_factory(choice: PairChoice, progress: Progress) -> Loaded:
                              f"(the operator can set SPECEXTEND_HUB=1 to allow downloads): {exc}") from exc
         raise
     return Loaded(choice, Codec(tokenizer), partial(generate, pair), pair.max_positions, str(pair.device),
-                  str(pair.dtype).replace("torch.", ""), partial(head_picture, pair))
+                  str(pair.dtype).replace("torch.", ""), partial(head_picture, pair),
+                  lambda: partial(generate, pair, shared=SharedPrefill()))
 
 
 class PairCache:

@@ -131,6 +131,8 @@ def describe(method: str, event: Event) -> str:
         return f"{name}: started on {event.device} ({event.dtype}), reading {len(event.prompt_ids):,} prompt tokens"
     if isinstance(event, Prefilling):
         return f"{name}: prefill of the {event.model}, {event.done:,} of {event.total:,} tokens read"
+    if isinstance(event, Prefilled) and event.shared:
+        return f"{name}: the target's prefill is shared with the first run ({event.target_s:.2f} s); generating"
     if isinstance(event, Prefilled):
         return f"{name}: prefill done in {event.elapsed_s:.2f} s; generating"
     if isinstance(event, Verified):

@@ -173,7 +173,7 @@ class Studio:
             loaded = self.pairs.get(choice, say)
             say(f"Tokenizing the document with the target's chat template ({loaded.device}, {loaded.dtype})")
             prompt = loaded.codec.prompt(text, task)
-            return loaded.codec, prompt, loaded.max_positions, loaded.generate
+            return loaded.codec, prompt, loaded.max_positions, loaded.for_click()
 
         def configs(m: str, codec) -> GenerationConfig:  # the race runs the plain methods it names
             return build_config(m, knobs, codec.eos_ids, self.settings.max_new_tokens, lookup=m == method)
@@ -305,7 +305,7 @@ class Studio:
             if loaded.heads is not None and "needle" in prompt.marks and len(prompt.ids) < loaded.max_positions:
                 say("Reading where each of the target's heads looks (one prefill that keeps every head's queries)")
                 picture["map"] = loaded.heads(prompt.ids, prompt.marks["needle"])
-            return loaded.codec, prompt, loaded.max_positions, loaded.generate
+            return loaded.codec, prompt, loaded.max_positions, loaded.for_click()
 
         def configs(m: str, codec) -> GenerationConfig:  # both CMR runs are SpecExtend; they differ in the signal
             signal = "paper" if m == "specextend_paper" else "default"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Iterator
 
 import torch
@@ -47,6 +47,32 @@ def check_request(pair: ModelPair, prompt_ids: list[int], config: GenerationConf
     return prompt
 
 
+@dataclass
+class SharedPrefill:
+    """The target's prefill of one prompt, kept for the next request on the same prompt and kernel (the methods of
+    a race read one document): its KV, its last logits, the query window if one was kept, and what it took."""
+
+    key: tuple = ()
+    kv: list = field(default_factory=list)
+    rope_positions: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    window: dict | None = None  # the scoring heads' queries and positions, when the prefill kept them
+    heads: dict | None = None  # which heads the window holds
+    seconds: float = 0.0
+
+    def serves(self, key: tuple, heads: dict | None) -> bool:
+        return self.key == key and (heads is None or heads == self.heads)
+
+    def hold(self, target: Target, seconds: float) -> None:
+        """Keep a copy of `target`'s finished prefill (replacing any earlier one); it took `seconds`."""
+        window = target.window
+        (self.key, self.heads), self.seconds, self.logits = target.read, seconds, target.logits
+        self.kv = target.cache.gather(torch.arange(target.cache.length))
+        self.rope_positions = target.cache.rope_positions.clone()
+        self.window = None if window is None else {"queries": {layer: q.clone() for layer, q in window.queries.items()},
+                                                   "positions": window.positions.clone()}
+
+
 class Target:
     """The target model, its KV cache, and (when retrieval scores) the queries of its scoring heads."""
 
@@ -67,9 +93,21 @@ class Target:
             self.kv_of = {layer: kv_heads_of(h, c.num_attention_heads, kv) for layer, h in heads.items()}
             self.combine = signal.combine
         self.base = 0  # cache slots before the latest verified root
+        self.shared_s: float | None = None  # a prefill copied from SharedPrefill: the seconds the original took
+        self.read: tuple | None = None  # (prompt and kernel, window heads) once this target has read a whole prompt
 
-    def prefill(self, prompt: list[int], stop) -> Iterator[int]:
-        """Read the prompt in blocks; the last block's logits are kept for the first token."""
+    def prefill(self, prompt: list[int], stop, shared: SharedPrefill | None = None) -> Iterator[int]:
+        """Read the prompt in blocks; the last block's logits are kept for the first token. With `shared`, copy a
+        prefill of the same prompt instead (`self.shared_s` is then what it took)."""
+        key, heads = (tuple(prompt), self.kernels.prefill), self.window.heads if self.window is not None else None
+        if shared is not None and shared.serves(key, heads):
+            self.cache.replace(shared.kv, shared.rope_positions)
+            self.logits, self.shared_s = shared.logits, shared.seconds
+            if self.window is not None:
+                self.window.queries = {layer: q.clone() for layer, q in shared.window["queries"].items()}
+                self.window.positions = shared.window["positions"].clone()
+            yield len(prompt)
+            return
         plan = AttentionPlan("prefill", self.kernels.prefill, capture=self.capture)
         for start in range(0, len(prompt), PREFILL_BLOCK):
             if stop is not None and stop.is_set():
@@ -80,6 +118,7 @@ class Target:
             if self.window is not None:
                 self.window.push(self.capture.queries, torch.arange(len(block)), positions)
             yield start + len(block)
+        self.read = key, heads
 
     def verify(self, root: int, tree: DraftTree) -> torch.Tensor:
         """One forward over [root] + tree nodes: logits (N+1, V)."""
@@ -123,9 +162,10 @@ def make_drafter(pair: ModelPair, config: GenerationConfig, capacity: int) -> Dr
 
 def generate(
     pair: ModelPair, prompt_ids: list[int], config: GenerationConfig, stop: threading.Event | None = None,
-    drafter: Drafter | None = None,
+    drafter: Drafter | None = None, shared: SharedPrefill | None = None,
 ) -> Iterator[Event]:
-    """Yield the events of one request. `stop` ends it between steps; `drafter` replaces the config's drafter."""
+    """Yield the events of one request. `stop` ends it between steps; `drafter` replaces the config's drafter;
+    `shared` carries the target's prefill from one request on a prompt to the next."""
     prompt = check_request(pair, prompt_ids, config)
     signal = resolve(config.retrieval.signal, pair.calibrated)
     config = config.replace(retrieval=replace(config.retrieval, signal=signal))
@@ -144,10 +184,15 @@ def generate(
 
         # 1) prefill the target (fused kernel) and the draft (sliding window, per its policy)
         phase = clock()
-        for done in target.prefill(prompt, stop):
+        for done in target.prefill(prompt, stop, shared):
             sync()
             yield Prefilling(clock(), clock() - phase, "target", done, len(prompt))
         target_s = clock() - phase
+        if target.shared_s is not None:  # a copied prefill: the clock counts what reading the prompt took
+            start -= target.shared_s - target_s
+            target_s = target.shared_s
+        elif shared is not None and target.read is not None:  # kept for the next request on this prompt
+            shared.hold(target, target_s)
         phase = clock()
         for done in drafter.prefill(prompt, stop):
             sync()
@@ -159,7 +204,7 @@ def generate(
         first = pick(target.logits, config, generator)
         out = cut([first], 0, config)
         drafter.commit([first])
-        yield Prefilled(clock(), target_s + draft_s, len(prompt), target_s, draft_s, first)
+        yield Prefilled(clock(), target_s + draft_s, len(prompt), target_s, draft_s, first, target.shared_s is not None)
         if drafter.policy.name != "full":
             yield retrieve(drafter, target, 0, config, clock, sync)
 

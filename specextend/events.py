@@ -49,7 +49,9 @@ class Prefilling:
 
 @dataclass(frozen=True)
 class Prefilled:
-    """Both models have read the prompt. The first token comes from the target's prefill."""
+    """Both models have read the prompt. The first token comes from the target's prefill. `shared`: the target's
+    prefill was copied from an earlier request on the same prompt (a race); `target_s` is then what that prefill
+    took, and the request's clock counts it, so end-to-end figures stay comparable."""
 
     t_s: float
     elapsed_s: float
@@ -57,6 +59,7 @@ class Prefilled:
     target_s: float
     draft_s: float
     first_token: int
+    shared: bool = False
 
 
 @dataclass(frozen=True)

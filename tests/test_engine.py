@@ -350,3 +350,27 @@ def test_the_target_alone_and_lookup_run_no_draft_model(llama_pair, refs):
     lookup = run(llama_pair, prompt, preset("lookup", max_new_tokens=N_NEW))
     assert alone[0].draft_layers == lookup[0].draft_layers == 0
     assert run(llama_pair, prompt, preset("speculative", max_new_tokens=2))[0].draft_layers == 1
+
+
+def test_a_race_prefills_the_target_once(llama_pair, refs):
+    """The first request on a prompt keeps the target's prefill; later ones on the same prompt copy it (their
+    Prefilled says so and counts the original's time), outputs unchanged. A request that needs the query window
+    the copy lacks, or another prompt, prefills again."""
+    from specextend.engine import SharedPrefill
+
+    prompt = prompt_of(301, seed=7)
+    shared = SharedPrefill()
+    retrieval = SETTINGS[1]
+    first = run(llama_pair, prompt, preset("specextend", max_new_tokens=N_NEW, retrieval=retrieval), shared=shared)
+    later = [run(llama_pair, prompt, preset(m, max_new_tokens=N_NEW, retrieval=retrieval), shared=shared)
+             for m in ("speculative", "autoregressive", "specextend")]
+    prefilled = [next(e for e in t if isinstance(e, ev.Prefilled)) for t in (first, *later)]
+    assert [p.shared for p in prefilled] == [False, True, True, True]
+    assert all(p.target_s == prefilled[0].target_s and p.t_s >= p.target_s for p in prefilled[1:])
+    assert all(output(t) == refs(prompt) for t in (first, *later))
+    alone = SharedPrefill()
+    run(llama_pair, prompt, preset("autoregressive", max_new_tokens=4), shared=alone)  # keeps no query window
+    again = run(llama_pair, prompt, preset("specextend", max_new_tokens=N_NEW, retrieval=retrieval), shared=alone)
+    assert not next(e for e in again if isinstance(e, ev.Prefilled)).shared and output(again) == refs(prompt)
+    other = run(llama_pair, prompt_of(120, seed=8), preset("autoregressive", max_new_tokens=4), shared=shared)
+    assert not next(e for e in other if isinstance(e, ev.Prefilled)).shared
