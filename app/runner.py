@@ -84,11 +84,14 @@ class Job:
     prompt: Prompt | None = None
     stop_event: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
+    began: float = 0.0  # perf_counter when it started, and when it ended
+    ended: float = 0.0
 
     def say(self, message: str) -> None:
         self.status = message
 
     def start(self) -> Job:
+        self.began = time.perf_counter()
         threading.Thread(target=self._work, name="specextend-job", daemon=True).start()
         return self
 
@@ -117,6 +120,7 @@ class Job:
             log.exception("run failed")
             self.error = f"{type(exc).__name__}: {exc}"
         finally:
+            self.ended = time.perf_counter()
             self.done.set()
 
     def snapshot(self) -> dict[str, list[Event]]:

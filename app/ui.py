@@ -8,6 +8,7 @@ from __future__ import annotations
 import html
 import tempfile
 import time
+from collections import deque
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -121,6 +122,24 @@ class Studio:
         self.settings = settings
         self.pairs = PairCache(factory)
         self.trace_dir = Path(tempfile.mkdtemp(prefix="specextend-traces-"))
+        self.generations: deque[Job] = deque(maxlen=64)  # recent generation jobs, for the waiting user's estimate
+
+    # --- the queue -------------------------------------------------------------------------------
+    def queued(self) -> str:
+        """The status a click shows at once, before its turn: whether a slot is free, and if not, how many runs
+        hold the slots and when, by how long recent runs took, one should free up."""
+        now = time.perf_counter()
+        active = [j for j in self.generations if not j.done.is_set()]
+        if len(active) < self.settings.concurrency:
+            return status_html(["Starting: a slot is free."])
+        took = sorted(j.ended - j.began for j in self.generations if j.done.is_set())
+        line = (f"Waiting for a free slot: {len(active)} run(s) in progress (this server runs "
+                f"{self.settings.concurrency} at a time); runs queued before yours start first.")
+        if took:
+            typical = took[len(took) // 2]
+            soonest = max(0.0, min(typical - (now - j.began) for j in active))
+            line += f" Recent runs took about {typical:.0f} s, so a slot should free in about {soonest:.0f} s."
+        return status_html([line])
 
     # --- documents -------------------------------------------------------------------------------
     def pick_sample(self, name: str | None):
@@ -179,6 +198,7 @@ class Studio:
             return build_config(m, knobs, codec.eos_ids, self.settings.max_new_tokens, lookup=m == method)
 
         state.job = Job(methods, configs, prepare).start()
+        self.generations.append(state.job)
         yield from self._stream(state.job, self._main_draw(method), {"pair": choice.label, "task": task, "primary": method},
                                 chart_every)
 
@@ -331,6 +351,7 @@ class Studio:
                                                   for m in NEEDLE_RUNS)]
 
         state.job = Job(list(NEEDLE_RUNS), configs, prepare).start()
+        self.generations.append(state.job)
         yield from self._stream(state.job, draw)
 
 
@@ -455,6 +476,9 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
         for source in (document, pair):
             source.change(studio.document_info, [document, pair], doc_info, queue=False, trigger_mode="always_last",
                           show_progress="hidden", api_visibility="private")
+        for button in (run_btn, n_run):  # at once, outside the queue: whether the click waits, and for how long
+            button.click(studio.queued, None, status if button is run_btn else n_status, queue=False,
+                         api_visibility="private", show_progress="hidden")
         run_btn.click(studio.run, [state, document, task, pair, method, race, charts, *knobs], outputs, api_name="run",
                       concurrency_limit=settings.concurrency, concurrency_id="generate", show_progress="minimal",
                       ).then(studio.document_info, [document, pair], doc_info, queue=False, show_progress="hidden",

@@ -25,7 +25,11 @@ from .signal import QueryWindow, combine, head_scores, kv_heads_of, resolve
 from .steps import make_runner, release
 from .verification import sampling_probs, verify_greedy, verify_sampling
 
-PREFILL_BLOCK = 2048  # target prefill block: bounds memory and lets Stop act between blocks
+def prefill_block(device: torch.device) -> int:
+    """The target's prefill block: it bounds memory, and Stop and the progress readout act between blocks. On the
+    project's 2-core CPU, 512-token blocks read 7.5K tokens as fast as 2048-token ones (14.4 against 15.4 s) and
+    report progress every 1.5 s instead of every 5; a GPU reads 2048 at once."""
+    return 2048 if device.type == "cuda" else 512
 
 
 def check_request(pair: ModelPair, prompt_ids: list[int], config: GenerationConfig) -> list[int]:
@@ -109,10 +113,11 @@ class Target:
             yield len(prompt)
             return
         plan = AttentionPlan("prefill", self.kernels.prefill, capture=self.capture)
-        for start in range(0, len(prompt), PREFILL_BLOCK):
+        size = prefill_block(self.runner.device)
+        for start in range(0, len(prompt), size):
             if stop is not None and stop.is_set():
                 return
-            block = prompt[start : start + PREFILL_BLOCK]
+            block = prompt[start : start + size]
             positions = torch.arange(start, start + len(block))
             self.logits = self.runner.forward(block, positions, plan, 1)
             if self.window is not None:

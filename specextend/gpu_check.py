@@ -32,7 +32,7 @@ from .attention import (AttentionPlan, KeySplits, full_tree_mask, hybrid_tree_at
 from .cache import KVCache
 from .config import AttentionConfig, DraftConfig, RetrievalConfig, preset
 from .drafting import tree_mask
-from .engine import PREFILL_BLOCK, generate
+from .engine import generate, prefill_block
 from .kernel_bench import check_lossless, llama, random_tree, timed
 from .metrics import summarize
 from .models import FusedRMSNorm, check_transformers, forward, make_pair, prepare
@@ -73,8 +73,9 @@ def prefill_to(model, cache, length: int, vocab: int) -> float:
     device = model.get_input_embeddings().weight.device
     start = time.perf_counter()
     plan = AttentionPlan("prefill", "fused")
-    for begin in range(cache.length, length, PREFILL_BLOCK):
-        end = min(begin + PREFILL_BLOCK, length)
+    size = prefill_block(device)
+    for begin in range(cache.length, length, size):
+        end = min(begin + size, length)
         tokens = torch.randint(0, vocab, (end - begin,), generator=torch.Generator().manual_seed(begin)).tolist()
         forward(model, cache, tokens, torch.arange(begin, end), plan, 1)
     if device.type == "cuda":

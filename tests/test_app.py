@@ -342,3 +342,21 @@ def test_codec_tokenizes_with_the_chat_template_and_finds_the_document_and_the_n
     a, b = prompt.marks["needle"]
     assert needle in codec.decode(prompt.ids[a:b]) and len(codec.decode(prompt.ids[a:b])) <= len(needle) + 2
     assert codec.eos_ids and "<|im_end|>" not in codec.text(prompt.ids) and "<|im_end|>" in codec.decode(prompt.ids)
+
+
+def test_a_click_that_must_wait_is_told_how_long():
+    """The status a click shows at once: a free slot, or the runs holding the slots and, from how long recent runs
+    took, when one should free."""
+    from app.runner import Job
+    from app.ui import Studio
+
+    studio = Studio(fake_factory(), Settings(concurrency=1))
+    assert "a slot is free" in studio.queued()
+    now = time.perf_counter()
+    for took in (40.0, 50.0, 60.0):
+        finished = Job([], None, None, began=now - 100 - took, ended=now - 100)
+        finished.done.set()
+        studio.generations.append(finished)
+    studio.generations.append(Job([], None, None, began=now - 20))  # running for 20 s
+    status = html.unescape(studio.queued())
+    assert "1 run(s) in progress" in status and "about 50 s" in status and "free in about 30 s" in status

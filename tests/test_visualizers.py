@@ -311,3 +311,15 @@ def test_speed_panel_names_a_run_with_lookup_added(lookup_traces):
     curves = [t["name"] for t in spec["data"] if t["type"] == "scatter"]
     assert curves == ["lookup drafting alone", "SpecExtend + lookup"]
     assert "SpecExtend + lookup" in throughput_html(lookup_traces)
+
+
+def test_an_empty_output_says_what_it_waits_for():
+    from specextend.events import Prefilling, Started
+
+    from visualizers.text import waiting_for
+
+    assert "waits its turn in the queue" in output_html([], str)
+    started = Started(0.0, 0.0, "specextend", tuple(range(7575)), {}, 30, 6, "cpu", "float32")
+    assert "reading 7,575 prompt tokens" in waiting_for([started])
+    reading = [started, Prefilling(4.1, 4.0, "target", 2048, 7575)]
+    assert "the target has read 2,048 of 7,575 prompt tokens (4 s so far)" in output_html(reading, str)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import html
 from typing import Sequence
 
-from specextend.events import Event
+from specextend.events import Event, Finished, Prefilling, Started
 
-from .common import STATUS_COLORS, Decode, segments, stop_reason
+from .common import STATUS_COLORS, Decode, of, segments, stop_reason
 
 LEGEND = (
     "<div class='se-legend'>"
@@ -44,8 +44,23 @@ def output_html(events: Sequence[Event], decode: Decode) -> str:
             parts.append(f"<span class='se-target' title='{where}'>{text}</span>")
     reason = stop_reason(events)
     note = {"running": "…", "stopped": " ⏹ stopped", "eos": "", "max_new_tokens": " [token limit]"}.get(reason, "")
-    body = "".join(parts) or "<i>no output yet</i>"
+    body = "".join(parts) or f"<i>{html.escape(waiting_for(events))}</i>"
     return f"{LEGEND}<div class='se-output'>{body}<span class='se-note'>{html.escape(note)}</span></div>"
+
+
+def waiting_for(events: Sequence[Event]) -> str:
+    """What a run without output is waiting for, in words."""
+    if of(events, Finished):
+        return "no output"
+    reading = of(events, Prefilling)
+    if reading:
+        last = reading[-1]
+        return (f"waiting for the first token: the {last.model} has read {last.done:,} of {last.total:,} prompt tokens "
+                f"({last.elapsed_s:.0f} s so far)")
+    started = of(events, Started)
+    if started:
+        return f"waiting for the first token: the target is reading {len(started[0].prompt_ids):,} prompt tokens"
+    return "waiting for the run to start: the model is loading, or the request waits its turn in the queue"
 
 
 def first_divergence(ours: Sequence[int], reference: Sequence[int]) -> int | None:
