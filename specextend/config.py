@@ -20,6 +20,11 @@ VerifyKernel = Literal["hybrid", "onecall", "masked", "auto"]
 StepMode = Literal["auto", "eager", "static", "captured"]
 
 
+MAX_DRAFT = 256  # the most draft tokens (and tree levels, branches, children) one step may have: a verification
+# of more costs memory and time no speculative step pays back
+MAX_CHUNK = 65_536  # the largest chunk and the most chunks a working cache may have
+
+
 @dataclass(frozen=True)
 class DraftConfig:
     """How the draft proposes. A chain of k is the tree with branch 1, top_k 1, depth k, budget k."""
@@ -35,14 +40,14 @@ class DraftConfig:
     def __post_init__(self) -> None:
         if self.shape not in ("chain", "tree"):
             raise ValueError(f"draft shape must be 'chain' or 'tree', got {self.shape!r}")
-        if self.k < 1:
-            raise ValueError(f"chain length k must be at least 1, got {self.k}")
-        if self.max_depth < 1:
-            raise ValueError(f"tree max_depth must be at least 1, got {self.max_depth}")
-        if self.node_budget < 1:
-            raise ValueError(f"tree node_budget must be at least 1, got {self.node_budget}")
-        if self.branch < 1 or self.children < 1:
-            raise ValueError(f"tree branch and children must be at least 1, got {self.branch} and {self.children}")
+        if not 1 <= self.k <= MAX_DRAFT:
+            raise ValueError(f"chain length k must be from 1 to {MAX_DRAFT}, got {self.k}")
+        if not 1 <= self.max_depth <= MAX_DRAFT:
+            raise ValueError(f"tree max_depth must be from 1 to {MAX_DRAFT}, got {self.max_depth}")
+        if not 1 <= self.node_budget <= MAX_DRAFT:
+            raise ValueError(f"tree node_budget must be from 1 to {MAX_DRAFT}, got {self.node_budget}")
+        if not (1 <= self.branch <= MAX_DRAFT and 1 <= self.children <= MAX_DRAFT):
+            raise ValueError(f"tree branch and children must be from 1 to {MAX_DRAFT}, got {self.branch} and {self.children}")
         if not 0.0 <= self.stop_threshold < 1.0:
             raise ValueError(f"tree stop_threshold must be in [0, 1), got {self.stop_threshold}")
 
@@ -160,6 +165,8 @@ class RetrievalConfig:
             raise ValueError(f"chunk_size must be at least 1 token, got {self.chunk_size}")
         if self.top_k < 1:
             raise ValueError(f"top_k must be at least 1 chunk, got {self.top_k}")
+        if self.chunk_size > MAX_CHUNK or self.top_k > MAX_CHUNK:
+            raise ValueError(f"chunk_size and top_k must be at most {MAX_CHUNK:,}, got {self.chunk_size} and {self.top_k}")
         if self.top_k < 2:
             raise ValueError(
                 f"top_k={self.top_k} leaves no room: the working cache always holds the sink chunk and the newest chunk, "

@@ -33,13 +33,17 @@ from specextend.metrics import (
 # ------------------------------------------------------------------------------------- config
 
 NONSENSE = [
-    (lambda: DraftConfig(k=0), "k must be at least 1"),
-    (lambda: DraftConfig(k=-2), "k must be at least 1"),
+    (lambda: DraftConfig(k=0), "k must be from 1 to 256"),
+    (lambda: DraftConfig(k=-2), "k must be from 1 to 256"),
     (lambda: DraftConfig(shape="ring"), "shape"),
     (lambda: DraftConfig(shape="tree", node_budget=0), "node_budget"),
     (lambda: DraftConfig(max_depth=0), "max_depth"),
     (lambda: DraftConfig(branch=0), "branch"),
     (lambda: DraftConfig(children=0), "children"),
+    (lambda: DraftConfig(k=10**9), "k must be from 1 to 256"),
+    (lambda: DraftConfig(shape="tree", node_budget=10**6), "node_budget must be from 1 to 256"),
+    (lambda: DraftConfig(children=257), "children"),
+    (lambda: RetrievalConfig(top_k=10**7), "at most 65,536"),
     (lambda: DraftConfig(stop_threshold=1.0), "stop_threshold"),
     (lambda: DraftConfig(stop_threshold=-0.1), "stop_threshold"),
     (lambda: RetrievalConfig(chunk_size=0), "chunk_size"),
