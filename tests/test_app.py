@@ -344,6 +344,16 @@ def test_codec_tokenizes_with_the_chat_template_and_finds_the_document_and_the_n
     assert codec.eos_ids and "<|im_end|>" not in codec.text(prompt.ids) and "<|im_end|>" in codec.decode(prompt.ids)
 
 
+def test_the_status_line_speaks_to_the_user_and_the_page_names_its_caps(client):
+    """Drawing telemetry is folded under a details toggle, not in the status line; the max-new-tokens slider
+    names the server's cap rather than clamping silently."""
+    status = client.predict(*run_args(race=(), max_new=8), api_name="/run")[0]
+    line, _, details = status.partition("<details")
+    assert "Done." in line and "panels redrawn" not in line and "panels redrawn" in details
+    slider = next(c for c in client.config["components"] if c.get("props", {}).get("elem_id") == "max-new")
+    assert slider["props"]["maximum"] == 256 and "up to 256 on this server" in slider["props"]["info"]
+
+
 def test_a_click_that_must_wait_is_told_how_long():
     """The status a click shows at once: a free slot, or the runs holding the slots and, from how long recent runs
     took, when one should free."""

@@ -374,3 +374,13 @@ def test_a_race_prefills_the_target_once(llama_pair, refs):
     assert not next(e for e in again if isinstance(e, ev.Prefilled)).shared and output(again) == refs(prompt)
     other = run(llama_pair, prompt_of(120, seed=8), preset("autoregressive", max_new_tokens=4), shared=shared)
     assert not next(e for e in other if isinstance(e, ev.Prefilled)).shared
+
+
+def test_prefill_progress_moves_in_small_blocks_on_cpu(llama_pair):
+    """On CPU the target reads the prompt 512 tokens at a time, so its progress moves every block."""
+    from specextend.engine import prefill_block
+
+    assert prefill_block(torch.device("cpu")) == 512 and prefill_block(torch.device("cuda")) == 2048
+    trace = run(llama_pair, prompt_of(1300, seed=3), preset("autoregressive", max_new_tokens=2))
+    done = [e.done for e in trace if isinstance(e, ev.Prefilling) and e.model == "target"]
+    assert done == [512, 1024, 1300]
