@@ -151,6 +151,8 @@ def check_run(method: str, events: Sequence[Event]) -> None:
                 raise TraceError(f"{where}: num_accepted must count the accepted nodes")
         elif isinstance(e, ev.Retrieved):
             n = len(e.chunk_spans)
+            if not n:
+                raise TraceError(f"{where}: a retrieval covers at least one chunk")
             if e.chunk_size < 1 or any(not 0 <= a < b for a, b in (*e.chunk_spans, *e.kept_spans)):
                 raise TraceError(f"{where}: chunks need a positive size and spans [start, end) with start < end")
             if len(e.scores) not in (0, n) or any(not 0 <= c < n for c in e.selected):
