@@ -9,7 +9,7 @@ import html
 import tempfile
 import time
 from collections import deque
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -115,6 +115,9 @@ class SessionState:
             state.stop()
 
 
+KNOB_NAMES = tuple(f.name for f in fields(Knobs))  # the knob widgets' values reach `run` in this order
+
+
 class Studio:
     """The app's handlers, closed over the settings, the pair cache and a folder for exported traces."""
 
@@ -181,7 +184,7 @@ class Studio:
             if not task or not task.strip():
                 raise ValueError("The task is empty: say what to do with the document (for example, summarize it).")
             choice = self.settings.pair(pair_key)
-            knobs = Knobs(*knob_values)
+            knobs = Knobs(**dict(zip(KNOB_NAMES, knob_values)))
             build_config(method, knobs, (), self.settings.max_new_tokens, lookup=True)  # refuse nonsense before loading
         except ValueError as exc:
             yield self._idle(str(exc))
@@ -468,7 +471,10 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
                     n_paper = gr.Plot(show_label=False, elem_id="needle-paper")
                     n_stream = gr.Plot(show_label=False, elem_id="needle-streaming")
 
-        knobs = [max_new, chunk, top_k, every, shape, chain_k, depth, budget, temperature, seed, lookup, signal]
+        widgets = {"max_new_tokens": max_new, "chunk_size": chunk, "top_k": top_k, "retrieve_every": every, "shape": shape,
+                   "k": chain_k, "max_depth": depth, "node_budget": budget, "temperature": temperature, "seed": seed,
+                   "lookup": lookup, "signal": signal}
+        knobs = [widgets[name] for name in KNOB_NAMES]  # the order `run` names the values in
         outputs = [status, output, exact, retrieval, far, acceptance, throughput, readout, download]
         # helpers of the page itself (a sample's text, the document readout) are not part of the public API
         sample.change(studio.pick_sample, sample, document, queue=False, api_visibility="private")

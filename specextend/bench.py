@@ -614,10 +614,7 @@ def load(args) -> tuple[ModelPair, object]:
         tokenizer = AutoTokenizer.from_pretrained(bundled.draft_dir())
         target = llama(QUICK_SHAPE, len(tokenizer), torch.float32, "cpu", seed=1, max_positions=4096)
         return make_pair(target, copy.deepcopy(target)), tokenizer
-    target, draft = args.target, args.draft
-    if target is None or draft is None:
-        bundled_target, bundled_draft = bundled.default_pair()
-        target, draft = target or bundled_target, draft or bundled_draft
+    target, draft = bundled.pair_or_default(args.target, args.draft)
     pair = load_pair(target, draft, args.device, args.dtype)
     return pair, AutoTokenizer.from_pretrained(str(target))
 

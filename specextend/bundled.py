@@ -216,6 +216,14 @@ def default_pair(progress: Progress | None = None) -> tuple[Path, Path]:
     return target_dir(progress), draft_dir()
 
 
+def pair_or_default(target: str | None, draft: str | None) -> tuple[str | Path, str | Path]:
+    """The models asked for, the bundled pair standing in for whichever is not given."""
+    if target is not None and draft is not None:
+        return target, draft
+    bundled_target, bundled_draft = default_pair()
+    return target or bundled_target, draft or bundled_draft
+
+
 @dataclass(frozen=True)
 class Document:
     """One bundled sample document, as listed in ``assets/documents/manifest.json``."""

@@ -47,11 +47,10 @@ class BufferLayer(CacheLayerMixin):
             return
         while size < needed:
             size *= 2
-        keys = self.keys.new_zeros((*self.keys.shape[:2], size, self.keys.shape[3]))
-        values = self.values.new_zeros((*self.values.shape[:2], size, self.values.shape[3]))
-        keys[:, :, : self.length] = self.keys[:, :, : self.length]
-        values[:, :, : self.length] = self.values[:, :, : self.length]
-        self.keys, self.values = keys, values
+        old = self.filled()
+        self.keys = self.keys.new_zeros((*self.keys.shape[:2], size, self.keys.shape[3]))
+        self.values = self.values.new_zeros((*self.values.shape[:2], size, self.values.shape[3]))
+        self.keys[:, :, : self.length], self.values[:, :, : self.length] = old
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self.static is not None:

@@ -214,10 +214,7 @@ def generate_command(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.input} is empty")
     if args.threads:
         torch.set_num_threads(args.threads)
-    target, draft = args.target, args.draft
-    if target is None or draft is None:
-        bundled_target, bundled_draft = bundled.default_pair()
-        target, draft = target or bundled_target, draft or bundled_draft
+    target, draft = bundled.pair_or_default(args.target, args.draft)
     pair = load_pair(target, draft if args.method not in ("autoregressive", "lookup") else None, args.device, args.dtype)
     tokenizer = AutoTokenizer.from_pretrained(target if Path(target).is_dir() else str(target), trust_remote_code=False)
     config = config_from(args, eos_ids(tokenizer, pair.target), pair.device.type)

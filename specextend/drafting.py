@@ -30,6 +30,11 @@ from .steps import StepRunner, make_runner
 from .verification import sampling_probs
 
 
+# the working cache's preallocated room, in working caches: a rebuild fills one, and the tokens committed until the
+# next rebuild (and a step's tree) follow it; the buffer still grows if a long schedule outruns it
+WORKING_ROOM = 4
+
+
 @dataclass(frozen=True)
 class DraftTree:
     tokens: tuple[int, ...]
@@ -199,7 +204,8 @@ class ModelDrafter:
             self.store = self.runner.cache
         else:
             self.store = KVCache(model.config.num_hidden_layers, capacity)
-            self.runner = make_runner(model, min(capacity, 4 * config.retrieval.working_cache), steps, largest)
+            room = WORKING_ROOM * config.retrieval.working_cache
+            self.runner = make_runner(model, min(capacity, room), steps, largest)
         self.working = self.runner.cache
         self.runners = (self.runner,)
         self.inv_freq = rope_inv_freq(model)
@@ -239,7 +245,7 @@ class ModelDrafter:
         plan = AttentionPlan("tree", self.kernels.verify, tree_mask=torch.ones(m, m, dtype=torch.bool).tril())
         logits = self.runner.forward(self.pending, torch.arange(base, base + m), plan, 1)
         tree = _Growing(root_position=base + m - 1, slot0=base + m)
-        tree.expand(-1, self._logq(logits[-1]), min(children, budget), generator, self.temperature, self.top_p)
+        tree.expand(-1, self._logq(logits[-1]), min(children, budget), generator)
         for level in range(1, depth):
             room = budget - len(tree.tokens)
             frontier = sorted((i for i, d in enumerate(tree.depths) if d == level), key=lambda i: -tree.cum[i])[:branch]
@@ -251,7 +257,7 @@ class ModelDrafter:
                 room = budget - len(tree.tokens)
                 if room <= 0:
                     break
-                tree.expand(node, self._logq(logits[i]), min(children, room), generator, self.temperature, self.top_p)
+                tree.expand(node, self._logq(logits[i]), min(children, room), generator)
         self._tree = tree
         return tree.freeze(sampling=generator is not None, vocab=logits.shape[-1])
 
@@ -305,7 +311,8 @@ class _Growing:
         self.slot: dict[int, int] = {}  # node -> draft cache slot
         self.forwards = 1
 
-    def expand(self, node: int, logq: torch.Tensor, n: int, generator, temperature: float, top_p: float) -> None:
+    def expand(self, node: int, logq: torch.Tensor, n: int, generator) -> None:
+        """Give `node` (-1: the root) `n` children drawn from log q (kept as the node's q row when sampling)."""
         parent_cum = 0.0 if node < 0 else self.cum[node]
         depth = 1 if node < 0 else self.depths[node] + 1
         if generator is not None:
