@@ -23,6 +23,7 @@ Knows tensors and kernels; knows nothing of drafting, verification or retrieval 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -33,8 +34,23 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 IMPLEMENTATION = "specextend"
-FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 TRITON = importlib.util.find_spec("triton") is not None
+log = logging.getLogger(__name__)
+_flash: list = []  # [flash_attn_func or None] once the first CUDA half-precision call has tried to import it
+
+
+def flash_attn_func():
+    """flash-attn's attention function, or None where it is absent or broken (built for another torch, an
+    unsupported GPU): imported once, on first use; a failure is logged once and the fused PyTorch kernels serve."""
+    if not _flash:
+        func = None
+        if importlib.util.find_spec("flash_attn") is not None:
+            try:
+                from flash_attn import flash_attn_func as func
+            except (ImportError, OSError, RuntimeError) as exc:
+                log.warning("flash-attn is installed but cannot be used (%s); using PyTorch's fused kernels", exc)
+        _flash.append(func)
+    return _flash[0]
 
 
 def compiled_on_cuda(fn):
@@ -54,8 +70,8 @@ def compiled_on_cuda(fn):
 
 
 def use_flash_attn(x: torch.Tensor) -> bool:
-    """flash-attn runs on CUDA in half precision only."""
-    return FLASH_ATTN and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+    """flash-attn runs on CUDA in half precision only, where it imports."""
+    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and flash_attn_func() is not None
 
 
 @dataclass
@@ -156,9 +172,7 @@ def fused_attention_with_lse(
             out = torch.matmul(torch.exp(logits - lse[..., None]), value.float()).to(query.dtype)
         return unfold_heads(out, q_heads), unfold_heads(lse.float(), q_heads)
     if use_flash_attn(query):
-        from flash_attn import flash_attn_func
-
-        out, lse, _ = flash_attn_func(
+        out, lse, _ = flash_attn_func()(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
             softmax_scale=scale, causal=False, return_attn_probs=True,
         )  # out (B, T_q, H_q, D), lse (B, H_q, T_q)
@@ -298,9 +312,7 @@ def prefill_attention(
         mask = causal_window_mask(q_len, start, key_len, past, window, query.device)
         return math_attention(query, key, value, mask, scale)[0]
     if use_flash_attn(query):
-        from flash_attn import flash_attn_func
-
-        out = flash_attn_func(
+        out = flash_attn_func()(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scale,
             causal=True, window_size=(-1, -1) if window is None else (window - 1, 0),
         )  # (B, T_q, H_q, D); causal aligned to the bottom right, as here

@@ -376,3 +376,17 @@ def test_static_steps_inside_models_equal_eager_forwards(family):
         for cache in (static.cache, eager):  # keep the first path only, as a commit would
             cache.keep(torch.arange(n + min(2, len(tokens) + 1)))
     assert len(static.steps) >= 3  # forwards of 4, 16 and 1 padded tokens ran static, across two buckets
+
+
+def test_a_broken_flash_attn_falls_back_with_one_warning(monkeypatch, caplog):
+    """Installed but unusable (built for another torch): imported once, one warning, PyTorch's kernels serve."""
+    import importlib.util
+    import sys
+
+    monkeypatch.setattr(attention, "_flash", [])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else None)
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # importing it now raises ImportError
+    with caplog.at_level("WARNING", logger="specextend.attention"):
+        assert attention.flash_attn_func() is None and attention.flash_attn_func() is None
+    assert sum("flash-attn is installed but cannot be used" in r.message for r in caplog.records) == 1
+    assert not attention.use_flash_attn(torch.zeros(1, dtype=torch.bfloat16))  # and never on the CPU
