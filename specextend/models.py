@@ -16,15 +16,17 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from . import attention, signal
 from .config import RetrievalSignal
 from .cache import KVCache
 
-SUPPORTED = ("llama", "qwen2", "mistral")
-NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")  # their RMSNorms: one formula (rms_norm below)
+# what the attention hook needs: causal self-attention over RoPE positions through the attention interface,
+# keys and values cached per layer, no sliding window and no logit soft-capping
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # one formula (rms_norm below)
 # the engine hands models its cache as `cache=`: transformers before 5.24 named it `past_key_values` and would
 # silently run every forward without the cache
 TRANSFORMERS_MIN = (5, 24)
@@ -96,18 +98,32 @@ def load_model(
     """Load a model folder, GGUF or hub id. A draft cut from its target (config `shared_embedding`) ships
     without an embedding and takes `target`'s."""
     name, extra = _source_kwargs(source)
+    check_architecture(AutoConfig.from_pretrained(name, trust_remote_code=False, **extra), source)  # before weights
     with _quiet_load_report(cuts_from_target(Path(name))):  # its missing embedding is expected, not a fault
         model = AutoModelForCausalLM.from_pretrained(
             name, dtype=dtype, attn_implementation=attention.IMPLEMENTATION, trust_remote_code=False,
             device_map=device_map, **extra,
         )
-    if model.config.model_type not in SUPPORTED:
-        raise ValueError(f"{source}: model type {model.config.model_type!r} is not one of {', '.join(SUPPORTED)}")
     share_embedding(model, target, source)
     reduce_output_vocab(model, Path(name))
     if device_map is None:
         model.to(device)
     return model.eval()
+
+
+def check_architecture(config, source: str | Path = "the model") -> None:
+    """Refuse, with the reason, a model the engine cannot run exactly: another family, a sliding attention window
+    shorter than the model's context (the hook attends over every cached key), logit soft-capping."""
+    kind = getattr(config, "model_type", "")
+    if kind not in SUPPORTED:
+        raise ValueError(f"{source}: model type {kind!r} is not supported ({', '.join(SUPPORTED)} are: the engine "
+                         "needs plain causal attention over RoPE positions)")
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) and window < config.max_position_embeddings:
+        raise ValueError(f"{source}: it attends within a sliding window of {window} tokens, which the engine does not "
+                         "implement; use a version of the model without one")
+    if getattr(config, "attn_logit_softcapping", None):
+        raise ValueError(f"{source}: its attention soft-caps logits, which the engine does not implement")
 
 
 class ReducedVocabHead(torch.nn.Module):
@@ -285,6 +301,9 @@ def make_pair(target: PreTrainedModel, draft: PreTrainedModel | None, load_s: fl
               calibrated: RetrievalSignal | None = None) -> ModelPair:
     """A pair from models already in memory (tests build tiny ones from configs)."""
     check_transformers()
+    for model in (target, draft):
+        if model is not None:
+            check_architecture(model.config)
     prepare(target)
     if draft is not None:
         prepare(draft)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
 
 from specextend.models import make_pair
 
@@ -20,6 +21,10 @@ def tiny(family: str = "llama", layers: int = 2, hidden: int = 64, heads: int = 
                   initializer_range=0.3, tie_word_embeddings=False)
     if family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=hidden // heads))
+    elif family == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
     else:
         model = LlamaForCausalLM(LlamaConfig(**common))
     return model.float().eval()

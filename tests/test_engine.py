@@ -117,6 +117,19 @@ def test_qwen2_family_is_lossless(qwen_pair):
             assert output(run(qwen_pair, prompt, config)) == ref
 
 
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_every_supported_family_is_lossless(family):
+    """Qwen3 (per-head query and key norms) and Mistral (no sliding window): every method, chain and tree."""
+    pair = make_pair(tiny(family, layers=2, seed=5), tiny(family, layers=1, hidden=32, heads=2, kv_heads=1, seed=6))
+    prompt = prompt_of(150, seed=10)
+    ref = reference_greedy(pair.target, prompt, N_NEW)
+    for method in ("autoregressive", "speculative", "streaming", "specextend"):
+        for shape in ("chain", "tree"):
+            config = preset(method, max_new_tokens=N_NEW, draft=DraftConfig(shape=shape),
+                            retrieval=RetrievalConfig(chunk_size=16, top_k=3, retrieve_every=2, prefill_window=40))
+            assert output(run(pair, prompt, config)) == ref, (family, method, shape)
+
+
 @pytest.fixture(scope="module")
 def self_pair():
     """The target drafting for itself: with a full cache every draft token should be accepted."""

@@ -111,3 +111,21 @@ def test_fused_rms_norm_is_the_families_formula_and_stays_off_the_cpu():
     model = prepare(tiny("llama", layers=1, seed=5))
     assert not fuses_norms(model)
     assert not any(isinstance(m, FusedRMSNorm) for m in model.modules())
+
+
+
+def test_architectures_the_engine_cannot_run_exactly_are_refused_with_the_reason():
+    from transformers import GemmaConfig, MistralConfig, Qwen3Config
+
+    from specextend.models import check_architecture
+
+    check_architecture(MistralConfig(sliding_window=None))
+    check_architecture(Qwen3Config())  # its window is off (use_sliding_window=False)
+    with pytest.raises(ValueError, match="sliding window of 4096 tokens"):
+        check_architecture(MistralConfig(sliding_window=4096, max_position_embeddings=32768))
+    with pytest.raises(ValueError, match="model type 'gemma' is not supported"):
+        check_architecture(GemmaConfig())
+    windowed = tiny("mistral")
+    windowed.config.sliding_window = 16
+    with pytest.raises(ValueError, match="sliding window of 16 tokens"):
+        make_pair(windowed, None)  # models built in memory are checked too
