@@ -1,8 +1,9 @@
 """Models: load a target/draft pair and run one forward under an attention plan.
 
-Loads Hugging Face causal LMs of the Llama / Qwen2 / Mistral family (RoPE) from a local directory, a hub
-id (only when the operator allows the hub), or a directory holding one GGUF file. Chooses device, dtype
-and attention backend; refuses pairs whose vocabularies differ. Never trusts remote code.
+Loads Hugging Face causal LMs of the Llama, Mistral, Qwen2 and Qwen3 families (RoPE, no sliding window, no
+soft-capping: decided from the config before any weights load) from a local directory, a hub id (only when the
+operator allows the hub), or a directory holding one GGUF file. Chooses device, dtype and attention backend;
+refuses pairs whose vocabularies differ. Never trusts remote code.
 Knows models and devices; knows nothing of drafting, verification or retrieval.
 """
 
