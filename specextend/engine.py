@@ -183,15 +183,16 @@ def generate(
     scored = drafter.policy.needs_scores
     target = Target(pair.target, config, room, signal if scored else None)
     try:
-        yield Started(clock(), 0.0, config.method, tuple(prompt), asdict(config), pair.target.config.num_hidden_layers,
-                      pair.draft.config.num_hidden_layers if config.uses_draft else 0,
-                      str(pair.device), str(pair.dtype).replace("torch.", ""))
+        yield Started(t_s=clock(), elapsed_s=0.0, method=config.method, prompt_ids=tuple(prompt), config=asdict(config),
+                      target_layers=pair.target.config.num_hidden_layers,
+                      draft_layers=pair.draft.config.num_hidden_layers if config.uses_draft else 0,
+                      device=str(pair.device), dtype=str(pair.dtype).replace("torch.", ""))
 
         # 1) prefill the target (fused kernel) and the draft (sliding window, per its policy)
         phase = clock()
         for done in target.prefill(prompt, stop, shared):
             sync()
-            yield Prefilling(clock(), clock() - phase, "target", done, len(prompt))
+            yield Prefilling(t_s=clock(), elapsed_s=clock() - phase, model="target", done=done, total=len(prompt))
         target_s = clock() - phase
         if target.shared_s is not None:  # a copied prefill: the clock counts what reading the prompt took
             start -= target.shared_s - target_s
@@ -201,15 +202,17 @@ def generate(
         phase = clock()
         for done in drafter.prefill(prompt, stop):
             sync()
-            yield Prefilling(clock(), clock() - phase, "draft", done, len(prompt) - 1)
+            yield Prefilling(t_s=clock(), elapsed_s=clock() - phase, model="draft", done=done, total=len(prompt) - 1)
         draft_s = clock() - phase
         if stop is not None and stop.is_set():
-            yield Finished(clock(), clock(), (), "stopped", 0, len(prompt), "stopped during prefill")
+            yield Finished(t_s=clock(), elapsed_s=clock(), token_ids=(), stop_reason="stopped", steps=0,
+                           prompt_len=len(prompt), message="stopped during prefill")
             return
         first = pick(target.logits, config, generator)
         out = cut([first], 0, config)
         drafter.commit([first])
-        yield Prefilled(clock(), target_s + draft_s, len(prompt), target_s, draft_s, first, target.shared_s is not None)
+        yield Prefilled(t_s=clock(), elapsed_s=target_s + draft_s, prompt_len=len(prompt), target_s=target_s,
+                        draft_s=draft_s, first_token=first, shared=target.shared_s is not None)
         if drafter.policy.name != "full":
             yield retrieve(drafter, target, 0, config, clock, sync)
 
@@ -227,8 +230,9 @@ def generate(
                 phase = clock()
                 tree = drafter.propose(left, generator)
                 sync()
-                yield Drafted(clock(), clock() - phase, step, position, tree.tokens, tree.parents, tree.probs, tree.forwards,
-                              tree.sources, tree.origins)
+                yield Drafted(t_s=clock(), elapsed_s=clock() - phase, step=step, position=position, tokens=tree.tokens,
+                              parents=tree.parents, draft_probs=tree.probs, draft_forwards=tree.forwards,
+                              sources=tree.sources, origins=tree.origins)
             phase = clock()  # b) the target verifies the whole tree in one forward
             logits = target.verify(out[-1], tree)
             if config.greedy:
@@ -243,12 +247,14 @@ def generate(
             committed = cut([tree.tokens[n] for n in path] + [bonus], len(out), config)
             out.extend(committed)
             accepted = tuple(i in path for i in range(len(tree.tokens)))
-            yield Verified(clock(), clock() - phase, step, position + 1, tuple(path), accepted, len(path), bonus,
-                           tuple(committed), len(out))
+            yield Verified(t_s=clock(), elapsed_s=clock() - phase, step=step, position=position + 1,
+                           accepted_nodes=tuple(path), accepted=accepted, num_accepted=len(path), bonus_token=bonus,
+                           committed=tuple(committed), total_new=len(out))
             drafter.policy.observe(len(path), max(tree.depths, default=0))
             if drafter.policy.due(step, drafter.working_len):  # d) retrieval
                 yield retrieve(drafter, target, step, config, clock, sync)
-        yield Finished(clock(), clock(), tuple(out), reason, step, len(prompt))
+        yield Finished(t_s=clock(), elapsed_s=clock(), token_ids=tuple(out), stop_reason=reason, steps=step,
+                       prompt_len=len(prompt))
     finally:  # captured steps are kept for the next request (steps.py)
         for runner in (target.runner, *drafter.runners):
             release(runner)
@@ -285,7 +291,8 @@ def retrieve(drafter: Drafter, target: Target, step: int, config: GenerationConf
     selection, seq_len = drafter.rebuild(target.token_scores() if scored else None)
     sync()
     signal = config.retrieval.signal
-    return Retrieved(clock(), clock() - phase, step, drafter.policy.name, seq_len, config.retrieval.chunk_size,
-                     selection.chunk_spans, selection.scores, selection.selected, selection.kept_spans,
-                     int(selection.positions.shape[0]), signal.name if scored else "",
-                     signal.reserved(config.retrieval.top_k) if scored else 0)
+    return Retrieved(t_s=clock(), elapsed_s=clock() - phase, step=step, policy=drafter.policy.name, seq_len=seq_len,
+                     chunk_size=config.retrieval.chunk_size, chunk_spans=selection.chunk_spans, scores=selection.scores,
+                     selected=selection.selected, kept_spans=selection.kept_spans,
+                     working_cache_len=int(selection.positions.shape[0]), signal=signal.name if scored else "",
+                     reserved=signal.reserved(config.retrieval.top_k) if scored else 0)
