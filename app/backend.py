@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache, partial
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
-from specextend.cli import encode_marked, render_request
+from specextend.cli import encode_marked, eos_ids, render_request
 from specextend.config import GenerationConfig
 from specextend.events import Event
 
@@ -34,10 +34,12 @@ class Prompt:
 class Codec:
     """The target's tokenizer as the app uses it: chat prompt in, text out."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, eos_ids: tuple[int, ...] | None = None) -> None:
+        """`eos_ids`: the tokens a run stops on (the CLI's: the model's and the tokenizer's ends, `cli.eos_ids`);
+        the tokenizer's end of text alone when not given."""
         self.tokenizer = tokenizer
         eos = tokenizer.eos_token_id
-        self.eos_ids: tuple[int, ...] = () if eos is None else (int(eos),)
+        self.eos_ids: tuple[int, ...] = eos_ids if eos_ids is not None else () if eos is None else (int(eos),)
         self._decode = lru_cache(maxsize=65536)(self._decode_ids)
 
     def _decode_ids(self, ids: tuple[int, ...], skip_special: bool = False) -> str:
@@ -124,7 +126,8 @@ def real_factory(choice: PairChoice, progress: Progress) -> Loaded:
             raise ValueError(f"{choice.label} is not in the local cache and this server is offline "
                              f"(the operator can set SPECEXTEND_HUB=1 to allow downloads): {exc}") from exc
         raise
-    return Loaded(choice, Codec(tokenizer), partial(generate, pair), pair.max_positions, str(pair.device),
+    codec = Codec(tokenizer, eos_ids(tokenizer, pair.target))  # stop where the CLI stops: a chat model's end of turn too
+    return Loaded(choice, codec, partial(generate, pair), pair.max_positions, str(pair.device),
                   str(pair.dtype).replace("torch.", ""), partial(head_picture, pair),
                   lambda: partial(generate, pair, shared=SharedPrefill()))
 

@@ -370,3 +370,17 @@ def test_a_click_that_must_wait_is_told_how_long():
     studio.generations.append(Job([], None, None, began=now - 20))  # running for 20 s
     status = html.unescape(studio.queued())
     assert "1 run(s) in progress" in status and "about 50 s" in status and "free in about 30 s" in status
+
+
+def test_the_app_stops_where_the_cli_stops():
+    """A chat model ends its turn with ids its generation config lists beside the tokenizer's end of text: the
+    app's codec stops on all of them, as the CLI does."""
+    from types import SimpleNamespace
+
+    from app.backend import Codec
+    from specextend.cli import eos_ids
+
+    tokenizer = SimpleNamespace(eos_token_id=2)
+    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 9]), config=SimpleNamespace(eos_token_id=2))
+    assert Codec(tokenizer, eos_ids(tokenizer, model)).eos_ids == (2, 7, 9)
+    assert Codec(tokenizer).eos_ids == (2,)  # the fake engine's codec: the tokenizer's alone
