@@ -22,19 +22,22 @@ class TraceError(ValueError):
 
 def token_ids(runs: Mapping[str, Sequence[Event]]) -> set[int]:
     """Every token id the runs mention (prompts, drafts, commits)."""
-    ids: set[int] = set()
-    for events in runs.values():
-        for e in events:
-            if isinstance(e, Started):
-                ids.update(e.prompt_ids)
-            elif isinstance(e, Drafted):
-                ids.update(e.tokens)
-            elif isinstance(e, Verified):
-                ids.update(e.committed)
-                ids.add(e.bonus_token)
-            elif isinstance(e, ev.Prefilled):
-                ids.add(e.first_token)
-    return ids
+    return {t for events in runs.values() for e in events for ids in event_token_ids(e) for t in ids}
+
+
+def event_token_ids(e: Event) -> tuple[tuple[int, ...], ...]:
+    """The token ids one event carries, as the tuples it holds them in."""
+    if isinstance(e, Started):
+        return (e.prompt_ids,)
+    if isinstance(e, Drafted):
+        return (e.tokens,)
+    if isinstance(e, Verified):
+        return (e.committed, (e.bonus_token,))
+    if isinstance(e, ev.Prefilled):
+        return ((e.first_token,),)
+    if isinstance(e, ev.Finished):
+        return (e.token_ids,)
+    return ()
 
 
 def dumps(runs: Mapping[str, Sequence[Event]], decode, meta: Mapping[str, Any]) -> str:
@@ -128,7 +131,7 @@ def check_run(method: str, events: Sequence[Event]) -> None:
         where = f"{method} event {i} ({type(e).__name__})"
         if isinstance(e, Started) and i:
             raise TraceError(f"{where}: a run starts once")
-        for ids in _token_ids(e):
+        for ids in event_token_ids(e):
             if any(not 0 <= t <= MAX_TOKEN_ID for t in ids):
                 raise TraceError(f"{where}: token ids must lie in [0, {MAX_TOKEN_ID}]")
         if any(getattr(e, name, 0) < 0 for name in ("step", "position", "prompt_len", "done", "total", "total_new",
@@ -157,17 +160,3 @@ def check_run(method: str, events: Sequence[Event]) -> None:
                 raise TraceError(f"{where}: chunks need a positive size and spans [start, end) with start < end")
             if len(e.scores) not in (0, n) or any(not 0 <= c < n for c in e.selected):
                 raise TraceError(f"{where}: scores and selected chunks must refer to the trace's chunks")
-
-
-def _token_ids(e: Event) -> tuple[tuple[int, ...], ...]:
-    if isinstance(e, Started):
-        return (e.prompt_ids,)
-    if isinstance(e, Drafted):
-        return (e.tokens,)
-    if isinstance(e, Verified):
-        return (e.committed, (e.bonus_token,))
-    if isinstance(e, ev.Prefilled):
-        return ((e.first_token,),)
-    if isinstance(e, ev.Finished):
-        return (e.token_ids,)
-    return ()
