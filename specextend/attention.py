@@ -245,7 +245,6 @@ def merge_splits(out: torch.Tensor, lse: torch.Tensor, seen: torch.Tensor) -> to
     return merge_by_lse(out, lse.masked_fill(~seen[..., 0], float("-inf")))
 
 
-TREE_KERNELS = {"hybrid": hybrid_tree_attention, "onecall": onecall_tree_attention}
 CHOSEN: dict[tuple, str] = {}  # (device, dtype, H_q, H_kv, D, T_q, key bucket) -> the kernel "auto" timed fastest
 
 
@@ -255,18 +254,24 @@ def masked_tree_attention(module, query, key, value, tree_mask, scale) -> torch.
     return sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scale)[0].transpose(1, 2)
 
 
+TREE_KERNELS = {  # name -> f(module, query, key, value, tree_mask, scale)
+    "hybrid": lambda module, *args: hybrid_tree_attention(*args),
+    "onecall": lambda module, *args: onecall_tree_attention(*args),
+    "masked": masked_tree_attention,
+}
+
+
 def tree_attention(kernel: str, module, query, key, value, tree_mask, scale) -> torch.Tensor:
     """A tree forward's attention by the named kernel; "auto" times every kernel on the first forward of each
     (device, dtype, head shapes, new tokens, key-length bucket) and keeps the fastest."""
-    kernels = {**{name: (lambda f: lambda: f(query, key, value, tree_mask, scale))(f) for name, f in TREE_KERNELS.items()},
-               "masked": lambda: masked_tree_attention(module, query, key, value, tree_mask, scale)}
+    args = (module, query, key, value, tree_mask, scale)
     if kernel == "auto":
         bucket = 1 << max(key.shape[2] - 1, 1).bit_length()
         shape = (str(query.device), query.dtype, query.shape[1], key.shape[1], query.shape[3], query.shape[2], bucket)
         if shape not in CHOSEN:
-            CHOSEN[shape] = min(kernels, key=lambda name: best_time(kernels[name], query.device))
+            CHOSEN[shape] = min(TREE_KERNELS, key=lambda name: best_time(lambda: TREE_KERNELS[name](*args), query.device))
         kernel = CHOSEN[shape]
-    return kernels[kernel]()
+    return TREE_KERNELS[kernel](*args)
 
 
 def best_time(fn, device: torch.device, repeats: int = 3) -> float:

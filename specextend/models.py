@@ -228,7 +228,9 @@ class SkinnyLinear(torch.nn.Linear):
             return super().forward(x)
         key = (self.out_features, self.in_features, rows, x.dtype)
         if key not in SkinnyLinear.weight_major:
-            SkinnyLinear.weight_major[key] = self._time(self._weight_major, x) < self._time(super().forward, x)
+            stock = super().forward
+            SkinnyLinear.weight_major[key] = (attention.best_time(lambda: self._weight_major(x), x.device)
+                                              < attention.best_time(lambda: stock(x), x.device))
         if not SkinnyLinear.weight_major[key]:
             return super().forward(x)
         return self._weight_major(x)
@@ -238,16 +240,6 @@ class SkinnyLinear(torch.nn.Linear):
         out = (self.weight @ x.reshape(rows, -1).T).T.reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
-    @staticmethod
-    def _time(path, x: torch.Tensor, repeats: int = 3) -> float:
-        """The best of a few timings of one path (its first call is a warm-up)."""
-        path(x)
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            path(x)
-            best = min(best, time.perf_counter() - start)
-        return best
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -333,7 +333,7 @@ def test_auto_picks_a_kernel_once_per_shape_and_keeps_it(monkeypatch):
     assert chosen in ("hybrid", "onecall", "masked") and shape[-1] == 64  # keys bucketed to a power of two
     attention.CHOSEN[shape] = "masked"  # a kept choice is used as is, not timed again
     calls = []
-    monkeypatch.setattr(attention, "masked_tree_attention", lambda *a: calls.append(1) or torch.zeros_like(q))
+    monkeypatch.setitem(attention.TREE_KERNELS, "masked", lambda *a: calls.append(1) or torch.zeros_like(q))
     tree_attention("auto", module, q, k[:, :, :40], v[:, :, :40], mask, SCALE)
     assert calls == [1]
 
