@@ -60,21 +60,19 @@ class SharedPrefill:
     kv: list = field(default_factory=list)
     rope_positions: torch.Tensor | None = None
     logits: torch.Tensor | None = None
-    window: dict | None = None  # the scoring heads' queries and positions, when the prefill kept them
-    heads: dict | None = None  # which heads the window holds
+    window: QueryWindow | None = None  # a copy of the scoring heads' queries, when the prefill kept them
     seconds: float = 0.0
 
-    def serves(self, key: tuple, heads: dict | None) -> bool:
-        return self.key == key and (heads is None or heads == self.heads)
+    def serves(self, key: tuple, window: QueryWindow | None) -> bool:
+        """Whether this prefill can stand in for one of prompt and kernel `key` that keeps `window`."""
+        return self.key == key and (window is None or (self.window is not None and self.window.serves(window)))
 
     def hold(self, target: Target, seconds: float) -> None:
         """Keep a copy of `target`'s finished prefill (replacing any earlier one); it took `seconds`."""
-        window = target.window
-        (self.key, self.heads), self.seconds, self.logits = target.read, seconds, target.logits
+        self.key, self.seconds, self.logits = target.read, seconds, target.logits
         self.kv = target.cache.gather(torch.arange(target.cache.length))
         self.rope_positions = target.cache.rope_positions.clone()
-        self.window = None if window is None else {"queries": {layer: q.clone() for layer, q in window.queries.items()},
-                                                   "positions": window.positions.clone()}
+        self.window = None if target.window is None else target.window.copy()
 
 
 class Target:
@@ -98,18 +96,17 @@ class Target:
             self.combine = signal.combine
         self.base = 0  # cache slots before the latest verified root
         self.shared_s: float | None = None  # a prefill copied from SharedPrefill: the seconds the original took
-        self.read: tuple | None = None  # (prompt and kernel, window heads) once this target has read a whole prompt
+        self.read: tuple | None = None  # (prompt, prefill kernel) once this target has read a whole prompt
 
     def prefill(self, prompt: list[int], stop, shared: SharedPrefill | None = None) -> Iterator[int]:
         """Read the prompt in blocks; the last block's logits are kept for the first token. With `shared`, copy a
         prefill of the same prompt instead (`self.shared_s` is then what it took)."""
-        key, heads = (tuple(prompt), self.kernels.prefill), self.window.heads if self.window is not None else None
-        if shared is not None and shared.serves(key, heads):
+        key = (tuple(prompt), self.kernels.prefill)
+        if shared is not None and shared.serves(key, self.window):
             self.cache.replace(shared.kv, shared.rope_positions)
             self.logits, self.shared_s = shared.logits, shared.seconds
             if self.window is not None:
-                self.window.queries = {layer: q.clone() for layer, q in shared.window["queries"].items()}
-                self.window.positions = shared.window["positions"].clone()
+                self.window = shared.window.copy(self.window.rows)
             yield len(prompt)
             return
         plan = AttentionPlan("prefill", self.kernels.prefill, capture=self.capture)
@@ -123,7 +120,7 @@ class Target:
             if self.window is not None:
                 self.window.push(self.capture.queries, torch.arange(len(block)), positions)
             yield start + len(block)
-        self.read = key, heads
+        self.read = key
 
     def verify(self, root: int, tree: DraftTree) -> torch.Tensor:
         """One forward over [root] + tree nodes: logits (N+1, V)."""

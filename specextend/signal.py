@@ -44,6 +44,18 @@ class QueryWindow:
     def layers(self) -> frozenset[int]:
         return frozenset(self.heads)
 
+    def copy(self, rows: int | None = None) -> QueryWindow:
+        """A window of the same heads holding copies of the last `rows` (default: all of this window's) rows."""
+        rows = rows or self.rows
+        twin = QueryWindow(self.heads, rows)
+        twin.queries = {layer: q[:, -rows:].clone() for layer, q in self.queries.items()}
+        twin.positions = self.positions[-rows:].clone()
+        return twin
+
+    def serves(self, other: QueryWindow) -> bool:
+        """Whether this window holds everything `other` would keep: the same heads, at least as many rows."""
+        return self.heads == other.heads and self.rows >= other.rows
+
     def push(self, queries: dict[int, torch.Tensor], rows: torch.Tensor, positions: torch.Tensor) -> None:
         """Add rows `rows` (indices into each forward's T_q) of queries {layer: (1, H_q, T_q, D)} at `positions`."""
         rows = rows[-self.rows :]

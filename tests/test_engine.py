@@ -397,3 +397,26 @@ def test_prefill_progress_moves_in_small_blocks_on_cpu(llama_pair):
     trace = run(llama_pair, prompt_of(1300, seed=3), preset("autoregressive", max_new_tokens=2))
     done = [e.done for e in trace if isinstance(e, ev.Prefilling) and e.model == "target"]
     assert done == [512, 1024, 1300]
+
+
+def test_a_shared_prefill_serves_a_window_only_when_it_holds_its_rows(llama_pair, refs):
+    """A copied prefill must give retrieval the rows a fresh one would: a window of the same heads and at least as
+    many rows serves (trimmed to the request's rows); one of fewer rows does not, and the prompt is read again."""
+    from specextend.engine import SharedPrefill
+
+    prompt = prompt_of(301, seed=11)
+    wide, narrow = (RetrievalSignal("w", layers=(), rows=rows) for rows in (16, 4))
+    retrieval = replace(SETTINGS[1], signal=narrow)
+    fresh = run(llama_pair, prompt, preset("specextend", max_new_tokens=N_NEW, retrieval=retrieval))
+    shared = SharedPrefill()
+    run(llama_pair, prompt, preset("specextend", max_new_tokens=N_NEW, retrieval=replace(retrieval, signal=wide)),
+        shared=shared)
+    copied = run(llama_pair, prompt, preset("specextend", max_new_tokens=N_NEW, retrieval=retrieval), shared=shared)
+    assert next(e for e in copied if isinstance(e, ev.Prefilled)).shared
+    first = lambda t: next(e for e in t if isinstance(e, ev.Retrieved))  # noqa: E731
+    assert first(copied).scores == first(fresh).scores and output(copied) == refs(prompt)
+    narrow_shared = SharedPrefill()
+    run(llama_pair, prompt, preset("specextend", max_new_tokens=4, retrieval=retrieval), shared=narrow_shared)
+    again = run(llama_pair, prompt, preset("specextend", max_new_tokens=4, retrieval=replace(retrieval, signal=wide)),
+                shared=narrow_shared)
+    assert not next(e for e in again if isinstance(e, ev.Prefilled)).shared
