@@ -11,32 +11,23 @@ from dataclasses import dataclass, field
 from functools import lru_cache, partial
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
-from specextend.cli import encode_marked, eos_ids, render_request
+from specextend import prompting
 from specextend.config import GenerationConfig
 from specextend.events import Event
+from specextend.prompting import Prompt
 
 from .settings import PairChoice
 
-DOCUMENT = "\0document"  # the mark under which Codec.prompt finds the document itself
 Progress = Callable[[str], None]
 Generate = Callable[[list[int], GenerationConfig, "threading.Event | None"], Iterator[Event]]
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """A tokenized request: the ids, where the document sits in them, and where each marked passage sits."""
-
-    ids: list[int]
-    document_span: tuple[int, int]
-    marks: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class Codec:
     """The target's tokenizer as the app uses it: chat prompt in, text out."""
 
     def __init__(self, tokenizer: Any, eos_ids: tuple[int, ...] | None = None) -> None:
-        """`eos_ids`: the tokens a run stops on (the CLI's: the model's and the tokenizer's ends, `cli.eos_ids`);
-        the tokenizer's end of text alone when not given."""
+        """`eos_ids`: the tokens a run stops on (the CLI's: the model's and the tokenizer's ends,
+        `prompting.stop_ids`); the tokenizer's end of text alone when not given."""
         self.tokenizer = tokenizer
         eos = tokenizer.eos_token_id
         self.eos_ids: tuple[int, ...] = eos_ids if eos_ids is not None else () if eos is None else (int(eos),)
@@ -56,15 +47,10 @@ class Codec:
     def count(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def render(self, document: str, task: str) -> str:
-        """The request as the target's chat template writes it (plain text when it has none)."""
-        return render_request(self.tokenizer, document, task)
-
     def prompt(self, document: str, task: str, marks: dict[str, str] | None = None) -> Prompt:
-        """Tokenize the request; token spans of the document and of each marked passage inside it."""
-        text = self.render(document, task)
-        ids, spans = encode_marked(self.tokenizer, text, {**(marks or {}), DOCUMENT: document.strip()})
-        return Prompt(ids, spans.pop(DOCUMENT, (0, len(ids))), spans)
+        """Tokenize the request as the CLI and the benchmark do; token spans of the document and of each marked
+        passage inside it."""
+        return prompting.encode(self.tokenizer, document, task, marks)
 
 
 @dataclass(frozen=True)
@@ -126,7 +112,7 @@ def real_factory(choice: PairChoice, progress: Progress) -> Loaded:
             raise ValueError(f"{choice.label} is not in the local cache and this server is offline "
                              f"(the operator can set SPECEXTEND_HUB=1 to allow downloads): {exc}") from exc
         raise
-    codec = Codec(tokenizer, eos_ids(tokenizer, pair.target))  # stop where the CLI stops: a chat model's end of turn too
+    codec = Codec(tokenizer, prompting.stop_ids(tokenizer, pair.target))  # stop where the CLI stops: a chat model's end of turn too
     return Loaded(choice, codec, partial(generate, pair), pair.max_positions, str(pair.device),
                   str(pair.dtype).replace("torch.", ""), partial(head_picture, pair),
                   lambda: partial(generate, pair, shared=SharedPrefill()))

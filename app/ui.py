@@ -22,7 +22,7 @@ from visualizers import heads_spec, needle_spec, retrieval_spec, signal_html
 from visualizers.common import ending, label
 
 from . import documents
-from .backend import EngineFactory, PairCache, Prompt, real_factory
+from .backend import EngineFactory, PairCache, real_factory
 from .documents import DocumentError
 from .panels import machine_load, main_view, needle_view, status_html
 from .runner import Job, Knobs, RedrawMeter, build_config, replay

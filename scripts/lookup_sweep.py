@@ -32,7 +32,7 @@ import torch
 
 from specextend import bundled
 from specextend.bench import make_prompt
-from specextend.cli import DEFAULT_INSTRUCTION, eos_ids
+from specextend.prompting import DEFAULT_INSTRUCTION, stop_ids
 from specextend.config import LookupConfig, preset
 from specextend.engine import generate
 from specextend.lookup import replay
@@ -57,7 +57,7 @@ def outputs(lengths: list[int], max_new_tokens: int, cache: Path, threads: int) 
     target_dir, _ = bundled.default_pair()
     pair = load_pair(target_dir, None, "cpu", "float32")
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    config = preset("autoregressive", max_new_tokens=max_new_tokens, eos_token_ids=eos_ids(tokenizer, pair.target))
+    config = preset("autoregressive", max_new_tokens=max_new_tokens, eos_token_ids=stop_ids(tokenizer, pair.target))
     cases = []
     for doc in bundled.documents():
         for length in lengths:

@@ -24,7 +24,7 @@ import torch
 
 from specextend import bundled
 from specextend.bench import make_inputs, make_prompt, run_engine
-from specextend.cli import DEFAULT_INSTRUCTION, eos_ids
+from specextend.prompting import DEFAULT_INSTRUCTION, stop_ids
 from specextend.config import LookupConfig, preset
 from specextend.models import load_pair
 
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     target, draft = bundled.default_pair()
     pair = load_pair(target, draft, "cpu", "float32")
     tokenizer = AutoTokenizer.from_pretrained(str(target))
-    base = dict(max_new_tokens=args.max_new_tokens, eos_token_ids=eos_ids(tokenizer, pair.target))
+    base = dict(max_new_tokens=args.max_new_tokens, eos_token_ids=stop_ids(tokenizer, pair.target))
     lk = LookupConfig(adaptive=args.adaptive)
     fixed = LookupConfig(min_ngram=3, adaptive=False)
     configs = {

@@ -37,9 +37,8 @@ from pathlib import Path
 
 import torch
 
-from . import bundled
-from .cli import (DEFAULT_INSTRUCTION, add_lookup_arguments, add_signal_arguments, encode_document, eos_ids, fit,
-                  lookup_from, signal_from)
+from . import bundled, prompting
+from .cli import add_lookup_arguments, add_signal_arguments, lookup_from, signal_from
 from .config import AttentionConfig, DraftConfig, GenerationConfig, LookupConfig, RetrievalConfig, preset
 from .drafting import DraftTree, ModelDrafter
 from .engine import Target, generate
@@ -110,8 +109,8 @@ def cut_text(tokenizer, text: str, tokens: int) -> str:
 
 def make_prompt(tokenizer, text: str, length: int, instruction: str) -> list[int]:
     """A chat prompt of about `length` tokens: the document's start, then the instruction (at most `length`)."""
-    overhead = len(encode_document(tokenizer, "", instruction, raw=False))
-    return fit(encode_document(tokenizer, cut_text(tokenizer, text, length - overhead), instruction, raw=False), length)
+    overhead = len(prompting.encode(tokenizer, "", instruction).ids)
+    return prompting.encode(tokenizer, cut_text(tokenizer, text, length - overhead), instruction, limit=length).ids
 
 
 def make_inputs(tokenizer, lengths: list[int], n_docs: int, instruction: str) -> list[dict]:
@@ -632,7 +631,7 @@ def machine(pair: ModelPair) -> dict:
 
 def run(args, progress) -> dict:
     pair, tokenizer = load(args)
-    eos = eos_ids(tokenizer, pair.target)
+    eos = prompting.stop_ids(tokenizer, pair.target)
     retrieval = replace(QUICK["retrieval"] if args.quick else RetrievalConfig(), signal=signal_from(args))
     draft = DraftConfig(shape=args.draft_shape, k=args.k)
     base = dict(max_new_tokens=args.max_new_tokens, eos_token_ids=eos, draft=draft, retrieval=retrieval)
@@ -653,8 +652,8 @@ def run(args, progress) -> dict:
     runs, references = [], {}
     for name in measured if inputs else ():  # warm-up: every method once on a short input
         bar.set_description(f"warm-up {name}")
-        run_method(pair, fit(inputs[0]["prompt"], 256), name, configs[name] and configs[name].replace(max_new_tokens=8), 8,
-                   eos)
+        short = inputs[0]["prompt"][:128] + inputs[0]["prompt"][-128:]  # its start and its end (the instruction)
+        run_method(pair, short, name, configs[name] and configs[name].replace(max_new_tokens=8), 8, eos)
         bar.update()
     for item in inputs:
         where = f"{item['document']} at {len(item['prompt'])} tokens"
@@ -728,7 +727,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--docs", type=int, default=3, help="eval documents per length")
     p.add_argument("--repeats", type=int, default=2, help="runs of every method on every input")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--instruction", default=DEFAULT_INSTRUCTION)
+    p.add_argument("--instruction", default=prompting.DEFAULT_INSTRUCTION)
     p.add_argument("--prefill", choices=("fused", "eager"), default="fused",
                    help="the baselines' prefill kernel: fused (SDPA, transformers' default) or eager (the paper's)")
     p.add_argument("--draft-shape", choices=("chain", "tree"), default=DraftConfig().shape)

@@ -12,10 +12,10 @@ import os
 import sys
 from pathlib import Path
 
+from . import prompting
 from .config import (METHODS, SIGNAL_NAMES, AttentionConfig, DraftConfig, LookupConfig, RetrievalConfig, RetrievalSignal,
                      draft_defaults, preset)
 
-DEFAULT_INSTRUCTION = "Summarize the document above in a few sentences."
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,11 +26,11 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g.add_argument("--input", required=True, help="UTF-8 text file: the document")
     g.add_argument("--method", choices=METHODS, default="specextend", help="decoding method")
-    g.add_argument("--instruction", default=DEFAULT_INSTRUCTION, help="the task, appended after the document")
+    g.add_argument("--instruction", default=prompting.DEFAULT_INSTRUCTION, help="the task, appended after the document")
     g.add_argument("--raw", action="store_true", help="feed the document as is: no chat template, no instruction")
     g.add_argument("--truncate", action="store_true",
-                   help="if document plus max-new-tokens exceeds the target's limit, drop the document's middle "
-                        "(keeping its start and end) instead of failing")
+                   help="if the prompt plus max-new-tokens exceeds the target's limit, drop the document's middle "
+                        "(keeping its start, its end and the instruction) instead of failing")
     g.add_argument("--target", help="target model: local dir, dir with one .gguf, or hub id (default: bundled)")
     g.add_argument("--draft", help="draft model (default: bundled)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
@@ -150,53 +150,10 @@ def config_from(args: argparse.Namespace, eos: tuple[int, ...], device_type: str
                   lookup=lookup)
 
 
-def encode_document(tokenizer, text: str, instruction: str, raw: bool) -> list[int]:
-    if raw or not getattr(tokenizer, "chat_template", None):
-        return tokenizer(text if raw else f"{text}\n\n{instruction}", add_special_tokens=True)["input_ids"]
-    messages = [{"role": "user", "content": f"{text}\n\n{instruction}"}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-
-
-def render_request(tokenizer, document: str, task: str) -> str:
-    """The request as the target's chat template writes it (plain text when it has none)."""
-    content = f"{document.strip()}\n\n{task.strip()}"
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                             add_generation_prompt=True)
-    return content + "\n"
-
-
-def encode_marked(tokenizer, text: str, marks: dict[str, str]) -> tuple[list[int], dict[str, tuple[int, int]]]:
-    """Token ids of a rendered request (no special tokens added) and the token span [start, end) of each marked
-    passage's first occurrence in it (a passage not found is left out)."""
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
-    spans = {}
-    for name, passage in marks.items():
-        at = text.find(passage) if passage else -1
-        inside = [i for i, (a, b) in enumerate(offsets) if a < at + len(passage) and at < b] if at >= 0 else []
-        if inside:
-            spans[name] = (inside[0], inside[-1] + 1)
-    return ids, spans
-
-
-def fit(prompt: list[int], limit: int, keep_head: int = 256) -> list[int]:
-    """Drop the middle of a prompt so it has at most `limit` tokens (its start and end are kept)."""
-    if len(prompt) <= limit:
-        return prompt
-    head = min(keep_head, limit // 2)
-    return prompt[:head] + prompt[len(prompt) - (limit - head):]
-
-
-def eos_ids(tokenizer, model) -> tuple[int, ...]:
-    ids = set()
-    for source in (getattr(model, "generation_config", None), model.config):
-        value = getattr(source, "eos_token_id", None)
-        ids.update(value if isinstance(value, (list, tuple)) else [value] if value is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return tuple(sorted(ids))
+def prompt_from(args: argparse.Namespace, tokenizer, text: str, room: int) -> list[int]:
+    """The prompt ids the arguments ask for (`room`: the positions the prompt may take, used with --truncate)."""
+    request = prompting.raw(tokenizer, text) if args.raw else prompting.encode(tokenizer, text, args.instruction)
+    return (prompting.truncate(request, room) if args.truncate else request).ids
 
 
 def generate_command(args: argparse.Namespace) -> int:
@@ -217,10 +174,8 @@ def generate_command(args: argparse.Namespace) -> int:
     target, draft = bundled.pair_or_default(args.target, args.draft)
     pair = load_pair(target, draft if args.method not in ("autoregressive", "lookup") else None, args.device, args.dtype)
     tokenizer = AutoTokenizer.from_pretrained(target if Path(target).is_dir() else str(target), trust_remote_code=False)
-    config = config_from(args, eos_ids(tokenizer, pair.target), pair.device.type)
-    prompt = encode_document(tokenizer, text, args.instruction, args.raw)
-    if args.truncate:
-        prompt = fit(prompt, pair.max_positions - config.max_new_tokens)
+    config = config_from(args, prompting.stop_ids(tokenizer, pair.target), pair.device.type)
+    prompt = prompt_from(args, tokenizer, text, pair.max_positions - config.max_new_tokens)
     trace = list(generate(pair, prompt, config))
     if args.trace:
         save_trace(trace, args.trace)

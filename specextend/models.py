@@ -1,9 +1,9 @@
 """Models: load a target/draft pair and run one forward under an attention plan.
 
-Loads Hugging Face causal LMs of the Llama, Mistral, Qwen2 and Qwen3 families (RoPE, no sliding window, no
-soft-capping: decided from the config before any weights load) from a local directory, a hub id (only when the
-operator allows the hub), or a directory holding one GGUF file. Chooses device, dtype and attention backend;
-refuses pairs whose vocabularies differ. Never trusts remote code.
+Loads Hugging Face causal LMs (the families `compat` accepts, decided from both configs and tokenizers before any
+weights load) from a local directory, a hub id (only when the operator allows the hub), or a directory holding one
+GGUF file. Chooses device, dtype and attention backend; keeps a draft to the ids the pair's tokenizer defines.
+Never trusts remote code.
 Knows models and devices; knows nothing of drafting, verification or retrieval.
 """
 
@@ -17,16 +17,14 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from . import attention, signal
-from .config import RetrievalSignal
 from .cache import KVCache
+from .compat import PairFacts, check_architecture, check_pair, context_length
+from .config import RetrievalSignal
 
-# what the attention hook needs: causal self-attention over RoPE positions through the attention interface,
-# keys and values cached per layer, no sliding window and no logit soft-capping
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # one formula (rms_norm below)
 # the engine hands models its cache as `cache=`: transformers before 5.24 named it `past_key_values` and would
 # silently run every forward without the cache
@@ -50,7 +48,14 @@ class ModelPair:
 
     @property
     def max_positions(self) -> int:
-        return int(getattr(self.target.config, "max_position_embeddings", 2048))
+        """The target's context (rope scaling honoured): the only limit on the input, since CMR and StreamingLLM
+        keep the draft's working positions compact."""
+        return context_length(self.target.config)
+
+    @property
+    def draft_positions(self) -> int | None:
+        """The draft's own context: a full-cache draft (speculative) runs past it on a longer input."""
+        return None if self.draft is None else context_length(self.draft.config)
 
     @property
     def vocab_size(self) -> int:
@@ -99,7 +104,6 @@ def load_model(
     """Load a model folder, GGUF or hub id. A draft cut from its target (config `shared_embedding`) ships
     without an embedding and takes `target`'s."""
     name, extra = _source_kwargs(source)
-    check_architecture(AutoConfig.from_pretrained(name, trust_remote_code=False, **extra), source)  # before weights
     with _quiet_load_report(cuts_from_target(Path(name))):  # its missing embedding is expected, not a fault
         model = AutoModelForCausalLM.from_pretrained(
             name, dtype=dtype, attn_implementation=attention.IMPLEMENTATION, trust_remote_code=False,
@@ -112,21 +116,6 @@ def load_model(
     return model.eval()
 
 
-def check_architecture(config, source: str | Path = "the model") -> None:
-    """Refuse, with the reason, a model the engine cannot run exactly: another family, a sliding attention window
-    shorter than the model's context (the hook attends over every cached key), logit soft-capping."""
-    kind = getattr(config, "model_type", "")
-    if kind not in SUPPORTED:
-        raise ValueError(f"{source}: model type {kind!r} is not supported ({', '.join(SUPPORTED)} are: the engine "
-                         "needs plain causal attention over RoPE positions)")
-    window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True) and window < config.max_position_embeddings:
-        raise ValueError(f"{source}: it attends within a sliding window of {window} tokens, which the engine does not "
-                         "implement; use a version of the model without one")
-    if getattr(config, "attn_logit_softcapping", None):
-        raise ValueError(f"{source}: its attention soft-caps logits, which the engine does not implement")
-
-
 class ReducedVocabHead(torch.nn.Module):
     """An output layer over some of the vocabulary; every other token gets logit -inf, probability zero.
 
@@ -136,13 +125,19 @@ class ReducedVocabHead(torch.nn.Module):
     whole vocabulary, so nothing downstream knows.
     """
 
-    def __init__(self, full: torch.nn.Linear, ids: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, ids: torch.Tensor, out_features: int):
+        """`weight` (len(ids), H): the output rows of `ids`; logits come out `out_features` wide."""
         super().__init__()
-        self.out_features = full.out_features
-        self.register_buffer("ids", ids.to(torch.long), persistent=False)
-        self.rows = torch.nn.Linear(full.in_features, len(ids), bias=False, device=full.weight.device,
-                                    dtype=full.weight.dtype)
-        self.rows.weight = torch.nn.Parameter(full.weight.detach()[self.ids].clone(), requires_grad=False)
+        self.out_features = out_features
+        self.register_buffer("ids", ids.to(device=weight.device, dtype=torch.long), persistent=False)
+        self.rows = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        self.rows.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
+
+    @classmethod
+    def of(cls, full: torch.nn.Linear, ids: torch.Tensor) -> ReducedVocabHead:
+        """The head over `ids` cut from a full output layer (its rows copied)."""
+        ids = ids.to(torch.long)
+        return cls(full.weight.detach()[ids.to(full.weight.device)].clone(), ids, full.out_features)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # (..., H) -> (..., V_out) -> (..., V) with -inf outside `ids`
@@ -192,17 +187,30 @@ def reduce_output_vocab(model: PreTrainedModel, folder: Path) -> PreTrainedModel
     """Give `model` a ReducedVocabHead when its folder lists an output vocabulary."""
     ids = read_output_vocab(folder)
     if ids is not None:
-        model.set_output_embeddings(ReducedVocabHead(model.get_output_embeddings(), torch.tensor(ids)))
+        model.set_output_embeddings(ReducedVocabHead.of(model.get_output_embeddings(), torch.tensor(ids)))
     return model
 
 
+def keep_to_vocab(draft: PreTrainedModel, shared: int, width: int) -> None:
+    """Make the draft's logits `width` wide (the target's) with -inf at every id from `shared` on, so that it never
+    proposes an id the pair's tokenizer lacks: a padded embedding's rows, or rows only one model has."""
+    head = draft.get_output_embeddings()
+    if isinstance(head, ReducedVocabHead):
+        keep = head.ids < shared
+        weight, ids = head.rows.weight[keep], head.ids[keep]
+    else:
+        ids = torch.arange(min(shared, head.out_features), device=head.weight.device)
+        weight = head.weight[: len(ids)]  # a view: the tied embedding is not copied
+    if len(ids) < head.out_features or head.out_features != width:
+        draft.set_output_embeddings(ReducedVocabHead(weight, ids, width))
+
+
 def check_vocab(target: PreTrainedModel, draft: PreTrainedModel) -> None:
+    """Models built in memory come without tokenizers to compare: their output layers must be the same width."""
     t, d = target.get_output_embeddings().out_features, draft.get_output_embeddings().out_features
     if t != d or target.config.vocab_size != draft.config.vocab_size:
-        raise ValueError(
-            f"the target's vocabulary ({t} tokens) and the draft's ({d} tokens) differ: "
-            "speculative decoding needs one shared tokenizer"
-        )
+        raise ValueError(f"the target's vocabulary ({t} tokens) and the draft's ({d} tokens) differ: "
+                         "speculative decoding needs one shared tokenizer")
 
 
 SKINNY_ROWS = 16  # SkinnyLinear's upper bound on rows
@@ -291,16 +299,20 @@ def check_transformers(version: str = transformers.__version__) -> None:
 
 
 def make_pair(target: PreTrainedModel, draft: PreTrainedModel | None, load_s: float = 0.0,
-              calibrated: RetrievalSignal | None = None) -> ModelPair:
-    """A pair from models already in memory (tests build tiny ones from configs)."""
+              calibrated: RetrievalSignal | None = None, shared_vocab: int | None = None) -> ModelPair:
+    """A pair from models already in memory (tests build tiny ones from configs). `shared_vocab`: the ids both
+    tokenizers define (`compat.check_pair`); without it the output layers must be the same width."""
     check_transformers()
     for model in (target, draft):
         if model is not None:
             check_architecture(model.config)
     prepare(target)
     if draft is not None:
+        if shared_vocab is None:
+            check_vocab(target, draft)
+        else:
+            keep_to_vocab(draft, shared_vocab, target.get_output_embeddings().out_features)
         prepare(draft)
-        check_vocab(target, draft)
     param = next(target.parameters())
     backend = "flash-attn" if attention.use_flash_attn(param) else "sdpa"
     return ModelPair(target, draft, param.device, param.dtype, backend, load_s, calibrated)
@@ -309,8 +321,10 @@ def make_pair(target: PreTrainedModel, draft: PreTrainedModel | None, load_s: fl
 def load_pair(
     target: str | Path, draft: str | Path | None = None, device: str = "auto", dtype: str | torch.dtype = "auto"
 ) -> ModelPair:
-    """Load both models. A target too large for one GPU is spread over all GPUs; the draft sits beside its first layers."""
+    """Load both models, once `read_pair` has found them compatible. A target too large for one GPU is spread over
+    all GPUs; the draft sits beside its first layers."""
     start = time.perf_counter()
+    facts = read_pair(target, draft)
     dev = choose_device(device)
     dt = choose_dtype(dev, dtype)
     spread = dev.type == "cuda" and torch.cuda.device_count() > 1
@@ -318,7 +332,24 @@ def load_pair(
     first = next(target_model.parameters()).device
     draft_model = load_model(draft, first, dt, target=target_model) if draft is not None else None
     calibrated = signal.load(draft, signal.target_shape(target_model)) if draft is not None and Path(draft).is_dir() else None
-    return make_pair(target_model, draft_model, time.perf_counter() - start, calibrated)
+    return make_pair(target_model, draft_model, time.perf_counter() - start, calibrated, facts.shared_vocab)
+
+
+def read_pair(target: str | Path, draft: str | Path | None = None) -> PairFacts:
+    """Read both configs and both tokenizers (no weights) and decide the pair (`compat.check_pair`); ValueError with
+    the reason when it cannot run."""
+
+    def read(source: str | Path) -> tuple:
+        name, extra = _source_kwargs(source)
+        config = AutoConfig.from_pretrained(name, trust_remote_code=False, **extra)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=False, **extra)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{source}: its tokenizer cannot be read ({exc}); a pair is checked by its tokenizers "
+                             "before its weights load") from exc
+        return config, tokenizer, source
+
+    return check_pair(read(target), read(draft) if draft is not None else None)
 
 
 def rope_inv_freq(model: PreTrainedModel) -> torch.Tensor:

@@ -14,8 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import needle
-from .cli import encode_marked, render_request
+from . import needle, prompting
 from .config import GenerationConfig, RetrievalSignal
 from .engine import Target
 from .models import ModelPair
@@ -37,11 +36,10 @@ class NeedlePrompt:
 def needle_prompt(tokenizer, text: str, depth: float, seed: int) -> NeedlePrompt:
     """Plant a needle in `text` near `depth` and ask about it; ValueError when the needle cannot be located in tokens."""
     planted = needle.generate(text, depth, seed=seed)
-    rendered = render_request(tokenizer, planted.document, f"{planted.question} {NEEDLE_HINT}")
-    ids, spans = encode_marked(tokenizer, rendered, {"needle": planted.fact})
-    if "needle" not in spans:
+    prompt = prompting.encode(tokenizer, planted.document, f"{planted.question} {NEEDLE_HINT}", {"needle": planted.fact})
+    if "needle" not in prompt.marks:
         raise ValueError("the planted needle was not found in the tokenized prompt")
-    return NeedlePrompt(ids, spans["needle"], planted)
+    return NeedlePrompt(prompt.ids, prompt.marks["needle"], planted)
 
 
 def read(pair: ModelPair, prompt: list[int], signal: RetrievalSignal, extra: int = 2) -> Target:

@@ -378,9 +378,9 @@ def test_the_app_stops_where_the_cli_stops():
     from types import SimpleNamespace
 
     from app.backend import Codec
-    from specextend.cli import eos_ids
+    from specextend.prompting import stop_ids
 
     tokenizer = SimpleNamespace(eos_token_id=2)
     model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 9]), config=SimpleNamespace(eos_token_id=2))
-    assert Codec(tokenizer, eos_ids(tokenizer, model)).eos_ids == (2, 7, 9)
+    assert Codec(tokenizer, stop_ids(tokenizer, model)).eos_ids == (2, 7, 9)
     assert Codec(tokenizer).eos_ids == (2,)  # the fake engine's codec: the tokenizer's alone

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from specextend.config import GPU_DRAFT, AttentionConfig, DraftConfig
 from specextend import bundled
-from specextend.cli import build_parser, config_from, fit, main
+from specextend.cli import build_parser, config_from, main
 
 
 def args(*extra):
@@ -50,13 +50,6 @@ def test_knobs_reach_the_config():
 def test_nonsense_knobs_are_refused(bad, message):
     with pytest.raises(ValueError, match=message):
         config_from(args(*bad), eos=())
-
-
-def test_fit_keeps_start_and_end():
-    prompt = list(range(100))
-    out = fit(prompt, 40, keep_head=10)
-    assert len(out) == 40 and out[:10] == prompt[:10] and out[10:] == prompt[-30:]
-    assert fit(prompt, 200) == prompt
 
 
 @pytest.fixture(scope="module")

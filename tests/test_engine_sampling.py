@@ -31,7 +31,7 @@ def model(seed: int, layers: int):
 def pair(request):
     draft = model(2, 1)
     if request.param == "reduced":
-        draft.set_output_embeddings(ReducedVocabHead(draft.get_output_embeddings(), torch.tensor(DRAFT_OUTPUT_IDS)))
+        draft.set_output_embeddings(ReducedVocabHead.of(draft.get_output_embeddings(), torch.tensor(DRAFT_OUTPUT_IDS)))
     return make_pair(model(1, 2), draft)
 
 

@@ -117,7 +117,7 @@ def test_fused_rms_norm_is_the_families_formula_and_stays_off_the_cpu():
 def test_architectures_the_engine_cannot_run_exactly_are_refused_with_the_reason():
     from transformers import GemmaConfig, MistralConfig, Qwen3Config
 
-    from specextend.models import check_architecture
+    from specextend.compat import check_architecture
 
     check_architecture(MistralConfig(sliding_window=None))
     check_architecture(Qwen3Config())  # its window is off (use_sliding_window=False)

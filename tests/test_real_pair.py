@@ -7,8 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from conftest import reference_greedy
-from specextend import bundled
-from specextend.cli import DEFAULT_INSTRUCTION, encode_document, eos_ids
+from specextend import bundled, prompting
 from specextend.config import DraftConfig, RetrievalConfig, preset
 from specextend.engine import generate
 from specextend.models import load_pair
@@ -22,8 +21,8 @@ def real():
     pair = load_pair(target, draft, device="cpu", dtype="float32")
     tokenizer = AutoTokenizer.from_pretrained(target)
     text = bundled.documents("eval")[0].text()[:1500]
-    prompt = encode_document(tokenizer, text, DEFAULT_INSTRUCTION, raw=False)
-    return pair, prompt, eos_ids(tokenizer, pair.target)
+    prompt = prompting.encode(tokenizer, text, prompting.DEFAULT_INSTRUCTION).ids
+    return pair, prompt, prompting.stop_ids(tokenizer, pair.target)
 
 
 def test_real_pair_is_lossless_for_every_method(real):
