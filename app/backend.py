@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
@@ -112,7 +112,7 @@ def real_factory(choice: PairChoice, progress: Progress) -> Loaded:
             raise ValueError(f"{choice.label} is not in the local cache and this server is offline "
                              f"(the operator can set SPECEXTEND_HUB=1 to allow downloads): {exc}") from exc
         raise
-    codec = Codec(tokenizer, prompting.stop_ids(tokenizer, pair.target))  # stop where the CLI stops: a chat model's end of turn too
+    codec = Codec(tokenizer, prompting.stop_ids(tokenizer, pair.target))  # a chat model stops at its end of turn too
     return Loaded(choice, codec, partial(generate, pair), pair.max_positions, str(pair.device),
                   str(pair.dtype).replace("torch.", ""), partial(head_picture, pair),
                   lambda: partial(generate, pair, shared=SharedPrefill()))

@@ -18,6 +18,7 @@ import orjson
 from gradio.components.plot import PlotData
 
 from specextend.config import GenerationConfig, preset
+from specextend.prompting import Prompt
 from visualizers import heads_spec, needle_spec, retrieval_spec, signal_html
 from visualizers.common import ending, label
 
