@@ -605,17 +605,20 @@ def table(report: dict) -> str:
 # ---------------------------------------------------------------- the run
 
 
-def load(args) -> tuple[ModelPair, object]:
-    """(pair, tokenizer): tiny random-init models with the bundled draft's tokenizer (--quick), or real models."""
+def load(args) -> tuple[ModelPair, object, tuple[int, ...]]:
+    """(pair, tokenizer, stop ids): tiny random-init models with the bundled draft's tokenizer (--quick), or real
+    models."""
     from transformers import AutoTokenizer
 
     if args.quick:  # the draft is a copy of the target, so drafts are accepted and every path runs
         tokenizer = AutoTokenizer.from_pretrained(bundled.draft_dir())
         target = llama(QUICK_SHAPE, len(tokenizer), torch.float32, "cpu", seed=1, max_positions=4096)
-        return make_pair(target, copy.deepcopy(target)), tokenizer
-    target, draft = bundled.pair_or_default(args.target, args.draft)
-    pair = load_pair(target, draft, args.device, args.dtype)
-    return pair, AutoTokenizer.from_pretrained(str(target))
+        pair = make_pair(target, copy.deepcopy(target))
+    else:
+        target, draft = bundled.pair_or_default(args.target, args.draft)
+        pair = load_pair(target, draft, args.device, args.dtype)
+        tokenizer = AutoTokenizer.from_pretrained(str(target))
+    return pair, tokenizer, prompting.stop_ids(tokenizer, pair.target)
 
 
 def machine(pair: ModelPair) -> dict:
@@ -630,8 +633,7 @@ def machine(pair: ModelPair) -> dict:
 
 
 def run(args, progress) -> dict:
-    pair, tokenizer = load(args)
-    eos = prompting.stop_ids(tokenizer, pair.target)
+    pair, tokenizer, eos = load(args)
     retrieval = replace(QUICK["retrieval"] if args.quick else RetrievalConfig(), signal=signal_from(args))
     draft = DraftConfig(shape=args.draft_shape, k=args.k)
     base = dict(max_new_tokens=args.max_new_tokens, eos_token_ids=eos, draft=draft, retrieval=retrieval)

@@ -191,9 +191,30 @@ def reduce_output_vocab(model: PreTrainedModel, folder: Path) -> PreTrainedModel
     return model
 
 
+class WideEmbedding(torch.nn.Module):
+    """A draft's input embedding read with the target's ids: an id past its rows (a padding row the target has and
+    the draft lacks, which only an untrained target would commit) reads as a zero vector, so the draft can read
+    whatever the target commits."""
+
+    def __init__(self, inner: torch.nn.Embedding):
+        super().__init__()
+        self.inner = inner
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        inside = ids < self.inner.num_embeddings  # (B, T)
+        return self.inner(ids.where(inside, 0)) * inside[..., None].to(self.inner.weight.dtype)
+
+
 def keep_to_vocab(draft: PreTrainedModel, shared: int, width: int) -> None:
     """Make the draft's logits `width` wide (the target's) with -inf at every id from `shared` on, so that it never
-    proposes an id the pair's tokenizer lacks: a padded embedding's rows, or rows only one model has."""
+    proposes an id the pair's tokenizer lacks (a padded embedding's rows, or rows only one model has); and let it
+    read every id the target may commit."""
+    if draft.get_input_embeddings().num_embeddings < width:
+        draft.set_input_embeddings(WideEmbedding(draft.get_input_embeddings()))
     head = draft.get_output_embeddings()
     if isinstance(head, ReducedVocabHead):
         keep = head.ids < shared

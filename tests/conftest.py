@@ -25,6 +25,13 @@ def tiny(family: str = "llama", layers: int = 2, hidden: int = 64, heads: int = 
         model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=hidden // heads))
     elif family == "mistral":
         model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
+    elif family == "llama3":  # Llama 3.1's frequency-dependent rope scaling, on a short original context
+        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_scaling=rope))
+    elif family == "linear":  # Vicuna 16K's kind: positions interpolated linearly
+        model = LlamaForCausalLM(LlamaConfig(**{**common, "max_position_embeddings": max_positions // 4},
+                                             rope_scaling={"type": "linear", "factor": 4.0}))
     else:
         model = LlamaForCausalLM(LlamaConfig(**common))
     return model.float().eval()

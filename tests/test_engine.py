@@ -117,9 +117,10 @@ def test_qwen2_family_is_lossless(qwen_pair):
             assert output(run(qwen_pair, prompt, config)) == ref
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "llama3", "linear"])
 def test_every_supported_family_is_lossless(family):
-    """Qwen3 (per-head query and key norms) and Mistral (no sliding window): every method, chain and tree."""
+    """Qwen3 (per-head query and key norms), Mistral (no sliding window), Llama with Llama 3's rope scaling and with
+    linear rope scaling (the draft's keys re-rotated under the scaled frequencies): every method, chain and tree."""
     pair = make_pair(tiny(family, layers=2, seed=5), tiny(family, layers=1, hidden=32, heads=2, kv_heads=1, seed=6))
     prompt = prompt_of(150, seed=10)
     ref = reference_greedy(pair.target, prompt, N_NEW)
