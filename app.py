@@ -6,7 +6,9 @@ are imported. It binds 127.0.0.1 unless GRADIO_SERVER_NAME says otherwise. See a
 every variable.
 """
 
+import logging
 import os
+from functools import partial
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 if os.environ.get("SPECEXTEND_HUB", "0").strip() != "1":
@@ -16,8 +18,13 @@ from app import Settings, build_app, launch, real_factory  # noqa: E402  (after 
 
 
 def main() -> None:
-    settings = Settings.from_env()
-    launch(build_app(real_factory, settings), settings)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        settings = Settings.from_env()
+        demo = build_app(partial(real_factory, dtype=settings.dtype), settings)
+    except (ValueError, OSError, RuntimeError) as exc:  # a bad setting, or a preload that failed: say why and stop
+        raise SystemExit(f"SpecExtend Studio cannot start: {exc}") from exc
+    launch(demo, settings)
 
 
 if __name__ == "__main__":

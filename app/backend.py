@@ -66,6 +66,8 @@ class Loaded:
     dtype: str
     heads: Callable[[list[int], tuple[int, int]], Any] | None = None
     race: Callable[[], Generate] | None = None  # a generate whose requests on one prompt share the target's prefill
+    draft_positions: int | None = None  # the draft's own context, where it is shorter than the target's
+    close: Callable[[], None] | None = None  # frees what the pair holds beyond its models (called when it is dropped)
 
     def for_click(self) -> Generate:
         """What one click's runs generate with: they read one prompt, so the target reads it once."""
@@ -87,12 +89,13 @@ class EngineFactory(Protocol):
     def __call__(self, choice: PairChoice, progress: Progress) -> Loaded: ...
 
 
-def real_factory(choice: PairChoice, progress: Progress) -> Loaded:
+def real_factory(choice: PairChoice, progress: Progress, dtype: str = "auto") -> Loaded:
     """The bundled pair (prepared on first use) or an allow-listed pair, on the GPU when there is one."""
     from transformers import AutoTokenizer
 
     from specextend.engine import SharedPrefill, generate
     from specextend.models import load_pair
+    from specextend.steps import forget
 
     if choice.bundled:
         from specextend.bundled import draft_dir, target_cache_dir, target_dir
@@ -105,21 +108,23 @@ def real_factory(choice: PairChoice, progress: Progress) -> Loaded:
     progress(f"Loading the tokenizer of {choice.label}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=False)
-        progress("Loading the target and draft models")
-        pair = load_pair(target, draft)
+        progress("Checking that the target and draft share a tokenizer, then loading both models")
+        pair = load_pair(target, draft, dtype=dtype)
     except OSError as exc:
         if os.environ.get("HF_HUB_OFFLINE") == "1" and not choice.bundled:
             raise ValueError(f"{choice.label} is not in the local cache and this server is offline "
                              f"(the operator can set SPECEXTEND_HUB=1 to allow downloads): {exc}") from exc
         raise
     codec = Codec(tokenizer, prompting.stop_ids(tokenizer, pair.target))  # a chat model stops at its end of turn too
+    shorter = pair.draft_positions if pair.draft_positions is not None and pair.draft_positions < pair.max_positions else None
     return Loaded(choice, codec, partial(generate, pair), pair.max_positions, str(pair.device),
                   str(pair.dtype).replace("torch.", ""), partial(head_picture, pair),
-                  lambda: partial(generate, pair, shared=SharedPrefill()))
+                  lambda: partial(generate, pair, shared=SharedPrefill()), shorter,
+                  partial(forget, (id(pair.target), id(pair.draft))))  # ids: the closure must not keep the pair
 
 
 class PairCache:
-    """The loaded pair (one at a time: a new choice unloads the old one), loaded under a lock."""
+    """The loaded pair (one at a time: a new choice frees the old one's memory first), loaded under a lock."""
 
     def __init__(self, factory: EngineFactory) -> None:
         self.factory = factory
@@ -129,7 +134,9 @@ class PairCache:
     def get(self, choice: PairChoice, progress: Progress) -> Loaded:
         with self._lock:
             if self._loaded is None or self._loaded.choice != choice:
-                self._loaded = None
+                close, self._loaded = (self._loaded.close if self._loaded else None), None
+                if close is not None:
+                    close()  # after the last reference is gone: a run still going keeps its pair until it ends
                 self._loaded = self.factory(choice, progress)
             return self._loaded
 

@@ -5,8 +5,13 @@ and the limits that keep a shared app serving. Knows nothing of gradio or models
 |---|---|---|
 | GRADIO_SERVER_NAME | 127.0.0.1 | address to bind (Spaces sets 0.0.0.0) |
 | GRADIO_SERVER_PORT | 7860 | port |
-| SPECEXTEND_PAIRS | (none) | extra pairs, comma-separated `target+draft` (hub ids or local folders) |
-| SPECEXTEND_HUB | 0 | 1 lets the app download from the Hugging Face hub (else HF_HUB_OFFLINE=1) |
+| SPECEXTEND_PAIRS | (none) | extra pairs, comma-separated: a preset's name (PRESETS) or `target+draft` (hub ids, folders) |
+| SPECEXTEND_DEFAULT_PAIR | the first | the pair selected when the page opens: `bundled`, a preset's name or `target+draft` |
+| SPECEXTEND_HIDE_BUNDLED | 0 | 1 leaves the bundled CPU pair off the list |
+| SPECEXTEND_PRELOAD | 0 | 1 downloads and loads the default pair before serving (progress in the log; a failure stops start-up) |
+| SPECEXTEND_DTYPE | auto | the models' dtype: auto (bf16 or fp16 on a GPU, fp32 on CPU), bfloat16, float16, float32 |
+| SPECEXTEND_MAX_INPUT_TOKENS | 0 | longest prompt in tokens a run may read (0: the target's context is the only limit) |
+| SPECEXTEND_HUB | 0 | 1 lets the app download from the Hugging Face hub (else HF_HUB_OFFLINE=1); gated models need HF_TOKEN |
 | SPECEXTEND_MAX_UPLOAD_KB | 1024 | largest document upload accepted |
 | SPECEXTEND_MAX_DOCUMENT_CHARS | 400000 | longest document text however it arrives, checked before tokenizing |
 | SPECEXTEND_MAX_TRACE_KB | 16384 | largest trace file accepted for replay |
@@ -41,18 +46,35 @@ class PairChoice:
 
 BUNDLED_PAIR = PairChoice(BUNDLED, "Bundled: SmolLM2-135M-Instruct target + its small SpecExtend draft (runs on CPU)")
 
+# GPU pairs an operator enables by name. Each shares one tokenizer (Qwen2.5's embeddings differ only in padding);
+# the Llama pair is gated on the hub (HF_TOKEN of an account with access). Vicuna 7B 16K with a 68M draft is the
+# paper's kind of pair: a draft trained on 2K positions serving 16K-token inputs.
+PRESETS = {p.key: p for p in (
+    PairChoice("qwen2.5-7b", "Qwen2.5-7B-Instruct target + Qwen2.5-0.5B-Instruct draft (GPU)",
+               "Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
+    PairChoice("llama-3.1-8b", "Llama-3.1-8B-Instruct target + Llama-3.2-1B-Instruct draft (GPU, gated)",
+               "meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.2-1B-Instruct"),
+    PairChoice("qwen3-8b", "Qwen3-8B target + Qwen3-0.6B draft (GPU)", "Qwen/Qwen3-8B", "Qwen/Qwen3-0.6B"),
+    PairChoice("vicuna-7b-16k", "Vicuna-7B-v1.5-16K target + Vicuna-68M draft (GPU, the paper's kind of pair)",
+               "lmsys/vicuna-7b-v1.5-16k", "double7/vicuna-68m"),
+)}
+
 
 def parse_pairs(text: str) -> tuple[PairChoice, ...]:
-    """`target+draft, target+draft` -> pair choices; raises ValueError on an entry without both parts."""
+    """`name, target+draft, ...` -> pair choices (a name from PRESETS); ValueError on anything else."""
     pairs = []
     for entry in (e.strip() for e in text.split(",")):
         if not entry:
             continue
+        if entry in PRESETS:
+            pairs.append(PRESETS[entry])
+            continue
         target, sep, draft = (part.strip() for part in entry.partition("+"))
         if not sep or not target or not draft:
-            raise ValueError(f"SPECEXTEND_PAIRS entry {entry!r} is not of the form target+draft")
+            raise ValueError(f"SPECEXTEND_PAIRS entry {entry!r} is neither a preset ({', '.join(PRESETS)}) nor of the "
+                             "form target+draft")
         pairs.append(PairChoice(f"{target}+{draft}", f"{target} target + {draft} draft", target, draft))
-    return tuple(pairs)
+    return tuple(dict.fromkeys(pairs))  # each once, in order
 
 
 def _number(env: Mapping[str, str], name: str, default: int | float, low: int | float, kind: type = int):
@@ -69,11 +91,25 @@ def _number(env: Mapping[str, str], name: str, default: int | float, low: int | 
     return value
 
 
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    raw = env.get(name, "0").strip()
+    if raw not in ("0", "1", ""):
+        raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
 @dataclass(frozen=True)
 class Settings:
     host: str = "127.0.0.1"
     port: int = 7860
-    pairs: tuple[PairChoice, ...] = (BUNDLED_PAIR,)
+    pairs: tuple[PairChoice, ...] = (BUNDLED_PAIR,)  # offered, in this order
+    default_pair: str = ""  # the key selected when the page opens ("": the first offered)
+    preload: bool = False  # load the default pair before serving
+    dtype: str = "auto"
+    max_input_tokens: int = 0  # 0: the target's context is the only limit
     hub: bool = False
     max_upload_bytes: int = 1024 * 1024
     max_trace_bytes: int = 16 * 1024 * 1024
@@ -84,13 +120,32 @@ class Settings:
     redraw_share: float = 0.05  # most of the wall time panel drawing may take
     max_document_chars: int = 400_000  # ~100K tokens: more than any allowed model reads, cheap to refuse beyond
 
+    def __post_init__(self) -> None:
+        if not self.pairs:
+            raise ValueError("no model pair to serve: SPECEXTEND_HIDE_BUNDLED=1 needs a pair in SPECEXTEND_PAIRS")
+        if self.default_pair and self.default_pair not in {p.key for p in self.pairs}:
+            raise ValueError(f"SPECEXTEND_DEFAULT_PAIR {self.default_pair!r} is not among the offered pairs "
+                             f"({', '.join(p.key for p in self.pairs)}); add it to SPECEXTEND_PAIRS")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"SPECEXTEND_DTYPE must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def default(self) -> PairChoice:
+        """The pair selected when the page opens (and preloaded)."""
+        return self.pair(self.default_pair) if self.default_pair else self.pairs[0]
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> Settings:
+        hidden = _flag(env, "SPECEXTEND_HIDE_BUNDLED")
         return cls(
             host=env.get("GRADIO_SERVER_NAME", "").strip() or "127.0.0.1",
             port=_number(env, "GRADIO_SERVER_PORT", 7860, 1),
-            pairs=(BUNDLED_PAIR, *parse_pairs(env.get("SPECEXTEND_PAIRS", ""))),
-            hub=env.get("SPECEXTEND_HUB", "0").strip() == "1",
+            pairs=(*(() if hidden else (BUNDLED_PAIR,)), *parse_pairs(env.get("SPECEXTEND_PAIRS", ""))),
+            default_pair=env.get("SPECEXTEND_DEFAULT_PAIR", "").strip(),
+            preload=_flag(env, "SPECEXTEND_PRELOAD"),
+            dtype=env.get("SPECEXTEND_DTYPE", "").strip() or "auto",
+            max_input_tokens=_number(env, "SPECEXTEND_MAX_INPUT_TOKENS", 0, 0),
+            hub=_flag(env, "SPECEXTEND_HUB"),
             max_upload_bytes=_number(env, "SPECEXTEND_MAX_UPLOAD_KB", 1024, 1) * 1024,
             max_trace_bytes=_number(env, "SPECEXTEND_MAX_TRACE_KB", 16384, 1) * 1024,
             max_document_chars=_number(env, "SPECEXTEND_MAX_DOCUMENT_CHARS", 400_000, 1),

@@ -6,6 +6,7 @@ and the panels are redrawn from snapshots, throttled so drawing costs generation
 from __future__ import annotations
 
 import html
+import logging
 import tempfile
 import time
 from collections import deque
@@ -23,12 +24,14 @@ from visualizers import heads_spec, needle_spec, retrieval_spec, signal_html
 from visualizers.common import ending, label
 
 from . import documents
-from .backend import EngineFactory, PairCache, real_factory
+from .backend import EngineFactory, Loaded, PairCache, real_factory
 from .documents import DocumentError
 from .panels import machine_load, main_view, needle_view, status_html
 from .runner import Job, Knobs, RedrawMeter, build_config, replay
 from .settings import Settings
 from .trace import TraceError, dumps, loads
+
+log = logging.getLogger(__name__)
 
 CSS = """
 .se-output { white-space: pre-wrap; line-height: 1.55; font-size: 15px; padding: 10px 12px; border: 1px solid #e4e7eb;
@@ -170,11 +173,29 @@ class Studio:
             return (f"<div class='se-muted'>{len(text):,} characters, about {len(text) // 4:,} tokens (estimated; the "
                     "exact count and the model's limit show once the model is loaded).</div>")
         n = loaded.codec.count(text)
-        over = n >= loaded.max_positions
+        limit, what = self.input_limit(loaded)
+        over = n >= limit
         style = "se-bad" if over else "se-muted"
-        note = " — too long for this model; shorten it." if over else ""
-        return (f"<div class='{style}'>{len(text):,} characters, {n:,} tokens · the model's limit is "
-                f"{loaded.max_positions:,} positions (prompt + new tokens){note}</div>")
+        note = " — too long; shorten it." if over else ""
+        shorter = loaded.draft_positions
+        draft = (f" The draft was trained on {shorter:,} positions: SpecExtend and StreamingLLM keep its working "
+                 "positions within them; plain speculative decoding runs it past them, as the paper's baseline does."
+                 if shorter is not None and n > shorter and not over else "")
+        return f"<div class='{style}'>{len(text):,} characters, {n:,} tokens · {what}{note}{draft}</div>"
+
+    def input_limit(self, loaded: Loaded) -> tuple[int, str]:
+        """The most prompt tokens a run may read, and how to say it: the target's context, or the server's cap."""
+        cap = self.settings.max_input_tokens
+        if cap and cap < loaded.max_positions:
+            return cap, f"this server reads documents of up to {cap:,} tokens"
+        return loaded.max_positions, f"the model's limit is {loaded.max_positions:,} positions (prompt + new tokens)"
+
+    def check_input(self, loaded: Loaded, prompt: Prompt) -> None:
+        """Refuse a prompt longer than the server's cap (the model's own limit is the job's to check)."""
+        cap = self.settings.max_input_tokens
+        if cap and len(prompt.ids) > cap:
+            raise ValueError(f"The prompt is {len(prompt.ids):,} tokens; this server reads inputs of up to {cap:,} "
+                             "tokens. Shorten the document.")
 
     # --- runs ------------------------------------------------------------------------------------
     def run(self, state: SessionState, document: str, task: str, pair_key: str, method: str, race: list[str],
@@ -196,6 +217,7 @@ class Studio:
             loaded = self.pairs.get(choice, say)
             say(f"Tokenizing the document with the target's chat template ({loaded.device}, {loaded.dtype})")
             prompt = loaded.codec.prompt(text, task)
+            self.check_input(loaded, prompt)
             return loaded.codec, prompt, loaded.max_positions, loaded.for_click()
 
         def configs(m: str, codec) -> GenerationConfig:  # the race runs the plain methods it names
@@ -221,7 +243,7 @@ class Studio:
             yield self._idle(f"Cannot replay this file: {exc}")
             return
         if not codec.table:  # a plain engine trace carries no token text: borrow a loaded tokenizer if any
-            loaded = self.pairs.peek(self.settings.pairs[0])
+            loaded = self.pairs.peek(self.settings.default)
             codec = loaded.codec if loaded is not None else codec
         primary = meta.get("primary") if meta.get("primary") in runs else next(iter(runs))
         prompt_ids = next((list(e.prompt_ids) for e in runs[primary] if hasattr(e, "prompt_ids")), [])
@@ -326,6 +348,7 @@ class Studio:
             loaded = self.pairs.get(choice, say)
             say("Tokenizing the haystack and the question")
             prompt = loaded.codec.prompt(planted.document, task, marks={"needle": planted.fact})
+            self.check_input(loaded, prompt)
             if loaded.heads is not None and "needle" in prompt.marks and len(prompt.ids) < loaded.max_positions:
                 say("Reading where each of the target's heads looks (one prefill that keeps every head's queries)")
                 picture["map"] = loaded.heads(prompt.ids, prompt.marks["needle"])
@@ -363,6 +386,10 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
     """The whole app, wired to `factory`; nothing is loaded until a run asks for it."""
     settings = settings or Settings.from_env()
     studio = Studio(factory, settings)
+    if settings.preload:  # before serving: a Space's first visitor should not wait for a download
+        log.info("Preloading %s", settings.default.label)
+        studio.pairs.get(settings.default, lambda message: log.info("preload: %s", message))
+        log.info("Preloaded %s", settings.default.label)
     k = Knobs()
     with gr.Blocks(title="SpecExtend Studio", fill_width=True, delete_cache=(3600, 3600)) as demo:
         state = gr.State(SessionState, delete_callback=SessionState.close)
@@ -379,14 +406,14 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
                                                      scale=1, size="sm", elem_id="upload")
                         document = gr.Textbox(label="Document", lines=6, max_lines=10, elem_id="document",
                                               placeholder="…or paste a long document here")
-                        doc_info = gr.HTML(studio.document_info("", settings.pairs[0].key), elem_id="doc-info")
+                        doc_info = gr.HTML(studio.document_info("", settings.default.key), elem_id="doc-info")
                         task = gr.Textbox(label="Task", value=DEFAULT_TASK, lines=1, elem_id="task")
                         with gr.Row():
                             run_btn = gr.Button("Run", variant="primary", elem_id="run")
                             stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
                         status = gr.HTML(status_html(["Ready: pick a sample document and press Run."]), elem_id="status")
                         pair = gr.Dropdown(label="Model pair", choices=[(p.label, p.key) for p in settings.pairs],
-                                           value=settings.pairs[0].key, elem_id="pair")
+                                           value=settings.default.key, elem_id="pair")
                         method = gr.Radio(label="Method", choices=METHOD_CHOICES, value="specextend", elem_id="method")
                         lookup = gr.Checkbox(k.lookup, label="add lookup drafting: copy what followed the newest words "
                                              "where they occurred before", elem_id="lookup",

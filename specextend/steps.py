@@ -14,6 +14,7 @@ Knows models, caches and CUDA graphs; knows nothing of drafting, verification or
 
 from __future__ import annotations
 
+import gc
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
@@ -96,6 +97,17 @@ def release(runner: StepRunner) -> None:
         held = _FREE.get(key)
         if held is None or held.slots < runner.slots:
             _FREE[key] = runner
+
+
+def forget(model_ids: tuple[int, ...]) -> None:
+    """The models with these ids are being dropped: let go of their kept runners (captured graphs and caches), then
+    collect and hand the freed CUDA memory back, so that a pair loaded next finds it."""
+    with _FREE_LOCK:
+        for key in [k for k in _FREE if k[0] in model_ids]:
+            del _FREE[key]
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 @dataclass

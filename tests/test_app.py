@@ -237,6 +237,58 @@ def test_settings_default_to_localhost_and_the_bundled_pair_only():
         parse_pairs("only-a-target")
 
 
+def pair_dropdown(settings: Settings, factory=None) -> dict:
+    demo = build_app(factory or fake_factory(), settings)
+    return next(c for c in demo.get_config_file()["components"] if c.get("props", {}).get("elem_id") == "pair")["props"]
+
+
+def test_a_preset_named_by_the_operator_is_offered_and_selected_and_the_bundled_pair_can_be_hidden():
+    from app.settings import PRESETS
+
+    env = {"SPECEXTEND_PAIRS": "qwen2.5-7b, vicuna-7b-16k", "SPECEXTEND_DEFAULT_PAIR": "qwen2.5-7b"}
+    props = pair_dropdown(Settings.from_env(env))
+    assert [key for _, key in props["choices"]] == [BUNDLED, "qwen2.5-7b", "vicuna-7b-16k"]
+    assert props["value"] == "qwen2.5-7b" and PRESETS["qwen2.5-7b"].target == "Qwen/Qwen2.5-7B-Instruct"
+    hidden = pair_dropdown(Settings.from_env({**env, "SPECEXTEND_HIDE_BUNDLED": "1", "SPECEXTEND_DEFAULT_PAIR": ""}))
+    assert [key for _, key in hidden["choices"]] == ["qwen2.5-7b", "vicuna-7b-16k"] and hidden["value"] == "qwen2.5-7b"
+    for bad, message in (({"SPECEXTEND_HIDE_BUNDLED": "1"}, "no model pair to serve"),
+                         ({"SPECEXTEND_DEFAULT_PAIR": "qwen3-8b"}, "not among the offered pairs"),
+                         ({"SPECEXTEND_PAIRS": "qwen9"}, "neither a preset"),
+                         ({"SPECEXTEND_DTYPE": "int4"}, "SPECEXTEND_DTYPE"),
+                         ({"SPECEXTEND_PRELOAD": "yes"}, "0 or 1")):
+        with pytest.raises(ValueError, match=message):
+            Settings.from_env(bad)
+
+
+def test_preloading_loads_the_default_pair_before_serving_and_a_failure_stops_start_up():
+    loads = []
+    factory = fake_factory()
+
+    def counting(choice, progress):
+        loads.append(choice.key)
+        return factory(choice, progress)
+
+    settings = Settings.from_env({"SPECEXTEND_PAIRS": "a/t+a/d", "SPECEXTEND_DEFAULT_PAIR": "a/t+a/d",
+                                  "SPECEXTEND_PRELOAD": "1"})
+    assert pair_dropdown(settings, counting)["value"] == "a/t+a/d" and loads == ["a/t+a/d"]
+
+    def failing(choice, progress):
+        raise OSError("a/t is not in the local cache")
+
+    with pytest.raises(OSError, match="not in the local cache"):
+        build_app(failing, settings)
+
+
+def test_the_servers_input_cap_refuses_a_longer_prompt_with_a_message():
+    from app.ui import SessionState, Studio
+
+    studio = Studio(fake_factory(), Settings(max_input_tokens=40))
+    out = list(studio.run(SessionState(), DOC, "Summarize.", BUNDLED, "specextend", [], "0.3", *KNOBS.values()))
+    assert "this server reads inputs of up to 40 tokens" in html.unescape(out[-1][0])
+    info = studio.document_info(DOC, BUNDLED)
+    assert "this server reads documents of up to 40 tokens" in info and "too long" in info
+
+
 def test_launch_never_shares():
     seen = {}
 

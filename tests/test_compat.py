@@ -93,3 +93,20 @@ def test_the_usable_context_honours_rope_scaling_and_length_dependent_rope_is_re
     assert context_length(Qwen2Config(max_position_embeddings=32768)) == 32768
     with pytest.raises(ValueError, match="'dynamic' changes the frequencies with the length"):
         check_architecture(LlamaConfig(rope_scaling={"type": "dynamic", "factor": 2.0}))
+
+
+def test_changing_pairs_frees_the_old_pair_and_a_short_draft_is_named(tmp_path):
+    import weakref
+
+    from app.backend import PairCache, real_factory
+    from app.settings import PairChoice
+
+    target = save(tmp_path / "target", word_tokenizer(), IDS, 1, 2)
+    draft = save(tmp_path / "draft", word_tokenizer(), IDS, 2, 1, max_positions=64)
+    cache = PairCache(real_factory)
+    first = cache.get(PairChoice("a", "a", str(target), str(draft)), lambda message: None)
+    assert first.draft_positions == 64 and first.max_positions == 4096
+    old = weakref.ref(first.generate.args[0].target)
+    del first
+    second = cache.get(PairChoice("b", "b", str(draft), str(draft)), lambda message: None)
+    assert old() is None and second.draft_positions is None  # a draft as long-lived as its target is not named
