@@ -36,6 +36,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 IMPLEMENTATION = "specextend"
 TRITON = importlib.util.find_spec("triton") is not None
 log = logging.getLogger(__name__)
+FLASH_MIN_CAPABILITY = (8, 0)  # flash-attn 2 runs on Ampere and newer
 _flash: list = []  # [flash_attn_func or None] once the first CUDA half-precision call has tried to import it
 
 
@@ -49,6 +50,10 @@ def flash_attn_func():
                 from flash_attn import flash_attn_func as func
             except (ImportError, OSError, RuntimeError) as exc:
                 log.warning("flash-attn is installed but cannot be used (%s); using PyTorch's fused kernels", exc)
+            if func is not None and torch.cuda.is_available() and torch.cuda.get_device_capability() < FLASH_MIN_CAPABILITY:
+                log.warning("flash-attn needs an Ampere or newer GPU (compute capability 8.0); this one is %s.%s: using "
+                            "PyTorch's fused kernels", *torch.cuda.get_device_capability())
+                func = None
         _flash.append(func)
     return _flash[0]
 

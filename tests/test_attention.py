@@ -390,3 +390,18 @@ def test_a_broken_flash_attn_falls_back_with_one_warning(monkeypatch, caplog):
         assert attention.flash_attn_func() is None and attention.flash_attn_func() is None
     assert sum("flash-attn is installed but cannot be used" in r.message for r in caplog.records) == 1
     assert not attention.use_flash_attn(torch.zeros(1, dtype=torch.bfloat16))  # and never on the CPU
+
+
+def test_flash_attn_on_a_gpu_older_than_ampere_falls_back_with_one_warning(monkeypatch, caplog):
+    import importlib.util
+    import sys
+    import types
+
+    monkeypatch.setattr(attention, "_flash", [])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else None)
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_func=lambda *a: None))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))  # a T4
+    with caplog.at_level("WARNING", logger="specextend.attention"):
+        assert attention.flash_attn_func() is None and attention.flash_attn_func() is None
+    assert sum("needs an Ampere or newer GPU" in r.message and "7.5" in r.getMessage() for r in caplog.records) == 1
