@@ -93,9 +93,7 @@ def real_factory(choice: PairChoice, progress: Progress, dtype: str = "auto") ->
     """The bundled pair (prepared on first use) or an allow-listed pair, on the GPU when there is one."""
     from transformers import AutoTokenizer
 
-    from specextend.engine import SharedPrefill, generate
     from specextend.models import load_pair
-    from specextend.steps import forget
 
     if choice.bundled:
         from specextend.bundled import draft_dir, target_cache_dir, target_dir
@@ -115,6 +113,14 @@ def real_factory(choice: PairChoice, progress: Progress, dtype: str = "auto") ->
             raise ValueError(f"{choice.label} is not in the local cache and this server is offline "
                              f"(the operator can set SPECEXTEND_HUB=1 to allow downloads): {exc}") from exc
         raise
+    return serve(choice, tokenizer, pair)
+
+
+def serve(choice: PairChoice, tokenizer: Any, pair) -> Loaded:
+    """A loaded pair and its target's tokenizer, as the app runs them."""
+    from specextend.engine import SharedPrefill, generate
+    from specextend.steps import forget
+
     codec = Codec(tokenizer, prompting.stop_ids(tokenizer, pair.target))  # a chat model stops at its end of turn too
     shorter = pair.draft_positions if pair.draft_positions is not None and pair.draft_positions < pair.max_positions else None
     return Loaded(choice, codec, partial(generate, pair), pair.max_positions, str(pair.device),

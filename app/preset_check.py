@@ -1,0 +1,162 @@
+"""Preset check: `python -m app.preset_check [--shrink] [--out DIR]`, the app's own run handler on random-init pairs
+in each GPU preset's shapes, one request each (a race of SpecExtend, speculative decoding and the target alone).
+
+No weights travel: each preset's target and draft are built from their published shapes (families, widths, heads,
+rope scaling, embedding rows) with random weights, over a word tokenizer with as many ids as the pair shares, and
+checked with the same `compat.check_pair` a download would meet. The pair is then served exactly as a loaded one
+(`backend.serve`) to `Studio.run`, which tokenizes, races the methods, and checks that their greedy outputs agree.
+Pairs run one at a time, so each change of pair also exercises the freeing of the last one. `--shrink` keeps every
+shape but two layers and a narrow width, so the CPU runs it in seconds (a test does).
+Writes preset_check.json under --out and prints one line per preset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from .backend import serve
+from .runner import Knobs
+from .settings import PRESETS, Settings
+
+# published config fields per model: family, layers, hidden, heads, KV heads, head dim, intermediate, embedding rows,
+# context, tied embeddings, rope
+LLAMA3 = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+SHAPES = {
+    "qwen2.5-7b": (
+        dict(model_type="qwen2", layers=28, hidden=3584, heads=28, kv=4, head_dim=128, inter=18944, rows=152064,
+             context=32768, tied=False, rope={"rope_type": "default", "rope_theta": 1e6}),
+        dict(model_type="qwen2", layers=24, hidden=896, heads=14, kv=2, head_dim=64, inter=4864, rows=151936,
+             context=32768, tied=True, rope={"rope_type": "default", "rope_theta": 1e6}),
+        151665),  # the ids the tokenizer defines
+    "llama-3.1-8b": (
+        dict(model_type="llama", layers=32, hidden=4096, heads=32, kv=8, head_dim=128, inter=14336, rows=128256,
+             context=131072, tied=False, rope={**LLAMA3, "factor": 8.0}),
+        dict(model_type="llama", layers=16, hidden=2048, heads=32, kv=8, head_dim=64, inter=8192, rows=128256,
+             context=131072, tied=True, rope={**LLAMA3, "factor": 32.0}),
+        128256),
+    "qwen3-8b": (
+        dict(model_type="qwen3", layers=36, hidden=4096, heads=32, kv=8, head_dim=128, inter=12288, rows=151936,
+             context=40960, tied=False, rope={"rope_type": "default", "rope_theta": 1e6}),
+        dict(model_type="qwen3", layers=28, hidden=1024, heads=16, kv=8, head_dim=128, inter=3072, rows=151936,
+             context=40960, tied=True, rope={"rope_type": "default", "rope_theta": 1e6}),
+        151669),
+    "vicuna-7b-16k": (
+        dict(model_type="llama", layers=32, hidden=4096, heads=32, kv=32, head_dim=128, inter=11008, rows=32000,
+             context=4096, tied=False, rope={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}),
+        dict(model_type="llama", layers=2, hidden=768, heads=12, kv=12, head_dim=64, inter=3072, rows=32000,
+             context=2048, tied=False, rope={"rope_type": "default", "rope_theta": 10000.0}),
+        32000),
+}
+
+
+def shrunk(shape: dict) -> dict:
+    """The same family, rows, context and rope; two layers, narrow."""
+    return {**shape, "layers": min(shape["layers"], 2), "hidden": 64, "heads": 4, "kv": min(shape["kv"], 2),
+            "head_dim": 16, "inter": 128}
+
+
+def build(shape: dict, device: torch.device, dtype: torch.dtype, seed: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        shape["model_type"], num_hidden_layers=shape["layers"], hidden_size=shape["hidden"],
+        num_attention_heads=shape["heads"], num_key_value_heads=shape["kv"], head_dim=shape["head_dim"],
+        intermediate_size=shape["inter"], vocab_size=shape["rows"], max_position_embeddings=shape["context"],
+        tie_word_embeddings=shape["tied"], rope_parameters=shape["rope"], initializer_range=0.02)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
+def word_tokenizer(ids: int):
+    """A whitespace tokenizer of `ids` words (w0, w1, ...; <s>, </s>, <unk> first) with a one-turn chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(ids - 3)]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tokenizer.chat_template = "{{ bos_token }}{{ messages[0]['content'] }} w1 w2 w3"
+    return tokenizer
+
+
+def factory_for(shrink: bool, device: torch.device, dtype: torch.dtype, timings: dict):
+    """An engine factory that builds each preset's pair at random instead of downloading it."""
+    from specextend.compat import check_pair
+    from specextend.models import make_pair
+
+    def factory(choice, progress):
+        start = time.perf_counter()
+        target_shape, draft_shape, ids = SHAPES[choice.key]
+        if shrink:
+            target_shape, draft_shape = shrunk(target_shape), shrunk(draft_shape)
+        tokenizer = word_tokenizer(ids)
+        progress(f"Building {choice.key} at random")
+        target, draft = build(target_shape, device, dtype, 1), build(draft_shape, device, dtype, 2)
+        facts = check_pair((target.config, tokenizer, choice.target), (draft.config, tokenizer, choice.draft))
+        pair = make_pair(target, draft, shared_vocab=facts.shared_vocab)
+        timings[choice.key] = time.perf_counter() - start
+        return serve(choice, tokenizer, pair)
+
+    return factory
+
+
+def run(shrink: bool, tokens: int, max_new: int, presets: list[str]) -> list[dict]:
+    from .ui import KNOB_NAMES, SessionState, Studio
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    timings: dict[str, float] = {}
+    settings = Settings(pairs=tuple(PRESETS[p] for p in presets), max_new_tokens=max_new)
+    studio = Studio(factory_for(shrink, device, dtype, timings), settings)
+    knobs = replace(Knobs(), max_new_tokens=max_new)
+    values = [getattr(knobs, name) for name in KNOB_NAMES]
+    document = " ".join(f"w{(i * 7919) % 30000 + 10}" for i in range(tokens))
+    results = []
+    for key in presets:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        state = SessionState()
+        start = time.perf_counter()
+        *_, last = studio.run(state, document, "w5 w6 w7", key, "specextend", ["speculative", "autoregressive"],
+                              "0.3", *values)
+        job = state.job
+        outputs = {m: list(events[-1].token_ids) for m, events in job.runs.items() if hasattr(events[-1], "token_ids")}
+        results.append({
+            "preset": key, "error": job.error, "build_s": round(timings.get(key, 0.0), 2),
+            "run_s": round(time.perf_counter() - start, 2), "prompt_tokens": len(job.prompt.ids) if job.prompt else 0,
+            "methods": sorted(outputs), "new_tokens": {m: len(ids) for m, ids in outputs.items()},
+            "outputs_agree": len({tuple(ids) for ids in outputs.values()}) == 1 and len(outputs) == 3,
+            "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if device.type == "cuda" else None,
+        })
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m app.preset_check", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shrink", action="store_true", help="two narrow layers per model (CPU, seconds)")
+    p.add_argument("--tokens", type=int, default=8000, help="document length in words (one token each)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--presets", default=",".join(SHAPES), help="comma-separated preset names")
+    p.add_argument("--out", type=Path, default=Path("results/preset_check"))
+    args = p.parse_args(argv)
+    results = run(args.shrink, args.tokens, args.max_new_tokens, [k.strip() for k in args.presets.split(",")])
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "preset_check.json").write_text(json.dumps(results, indent=1))
+    for r in results:
+        print(json.dumps(r))
+    return 0 if all(r["outputs_agree"] and not r["error"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,19 @@
+"""The preset check on CPU: each GPU preset's pair, random and shrunk to two narrow layers but with its family, rope
+scaling and embedding rows, runs through the app's own run handler and every method agrees."""
+
+from __future__ import annotations
+
+import json
+
+from app.preset_check import SHAPES, main
+
+
+def test_every_preset_runs_through_the_apps_handler_and_its_methods_agree(tmp_path):
+    assert main(["--shrink", "--tokens", "400", "--max-new-tokens", "6", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "preset_check.json").read_text())
+    assert [r["preset"] for r in results] == list(SHAPES)
+    for r in results:
+        assert r["error"] == "" and r["outputs_agree"] and r["prompt_tokens"] > 400, r
+        assert set(r["new_tokens"].values()) == {6}, r
+    target, draft, _ = SHAPES["qwen2.5-7b"]
+    assert target["rows"] > draft["rows"]  # the padded pair really is one
