@@ -37,6 +37,26 @@ def tiny(family: str = "llama", layers: int = 2, hidden: int = 64, heads: int = 
     return model.float().eval()
 
 
+def save_tiny_pair(folder, tokenizer, max_positions: int = 2048, end_ids: tuple[int, ...] = ()) -> list:
+    """A tiny target (2 layers) and draft (1 layer) saved with `tokenizer` under `folder`; `end_ids`: a generation
+    config listing these end ids beside the tokenizer's."""
+    from transformers import GenerationConfig
+
+    paths = []
+    for seed, layers in ((1, 2), (2, 1)):
+        torch.manual_seed(seed)
+        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions,
+                             tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
+        path = folder / f"model{seed}"
+        LlamaForCausalLM(config).save_pretrained(path)
+        if end_ids:
+            GenerationConfig(eos_token_id=[tokenizer.eos_token_id, *end_ids]).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        paths.append(path)
+    return paths
+
+
 def bigram_target(seed: int = 1):
     """A Llama whose layers add nothing: its next token depends on the last token only, so its greedy output
     soon repeats itself, and lookup drafting has something to copy (random tiny models rarely repeat)."""

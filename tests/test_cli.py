@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer
 
+from conftest import save_tiny_pair
 from specextend.config import GPU_DRAFT, AttentionConfig, DraftConfig
 from specextend import bundled
 from specextend.cli import build_parser, config_from, main
@@ -54,18 +54,7 @@ def test_nonsense_knobs_are_refused(bad, message):
 
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
-    tokenizer = AutoTokenizer.from_pretrained(bundled.target_dir())
-    dirs = []
-    for seed, layers in ((1, 2), (2, 1)):
-        torch.manual_seed(seed)
-        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
-                             tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
-        path = tmp_path_factory.mktemp(f"model{seed}")
-        LlamaForCausalLM(config).save_pretrained(path)
-        tokenizer.save_pretrained(path)
-        dirs.append(path)
-    return dirs
+    return save_tiny_pair(tmp_path_factory.mktemp("pair"), AutoTokenizer.from_pretrained(bundled.target_dir()))
 
 
 def test_generate_prints_text_then_json(tiny_dirs, tmp_path, capsys):

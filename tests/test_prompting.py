@@ -7,12 +7,12 @@ import json
 from types import SimpleNamespace
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
-from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from conftest import save_tiny_pair
 from specextend import bundled, prompting
 
 WORDS = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(60)] + ["Summarize", "it", "."]
@@ -94,18 +94,7 @@ def pair_dirs(request, tmp_path_factory):
     tokenizer = AutoTokenizer.from_pretrained(bundled.draft_dir())
     if request.param == "no template":
         tokenizer.chat_template = None
-    dirs = []
-    for seed, layers in ((1, 2), (2, 1)):
-        torch.manual_seed(seed)
-        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
-                             tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
-        path = tmp_path_factory.mktemp(f"{request.param.replace(' ', '_')}{seed}")
-        LlamaForCausalLM(config).save_pretrained(path)
-        GenerationConfig(eos_token_id=[tokenizer.eos_token_id, 7]).save_pretrained(path)
-        tokenizer.save_pretrained(path)
-        dirs.append(path)
-    return dirs
+    return save_tiny_pair(tmp_path_factory.mktemp(request.param.replace(" ", "_")), tokenizer, 4096, end_ids=(7,))
 
 
 def test_cli_benchmark_and_app_give_the_same_prompt_and_stop_ids(pair_dirs, tmp_path):
