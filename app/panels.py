@@ -16,6 +16,7 @@ from visualizers import (
     throughput_html, throughput_spec,
 )
 from visualizers.common import label, of, stop_reason
+from visualizers.steps import as_of, moment
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,25 @@ def main_view(runs: Mapping[str, Sequence[Event]], primary: str, decode: Decode,
         far=far_html(events, text),
         acceptance=acceptance_spec(events, decode) if charts else None,
         throughput=throughput_spec(runs) if charts else None,
+        readout=throughput_html(runs, load),
+    )
+
+
+def step_view(runs: Mapping[str, Sequence[Event]], method: str, step: int, decode: Decode, text: Decode | None = None,
+              load: float | None = None) -> View:
+    """The main tab's panels for one run as of one step (`visualizers.steps.as_of`): that step's tokens outlined in
+    the output with the draft's rejected guess, the working cache its draft read, its draft tree, its moment on the
+    speed chart. The other runs of the click stay whole on the speed chart."""
+    events = runs.get(method, [])
+    shown = as_of(events, step)
+    text = text or decode
+    return View(
+        output=output_html(shown, text, at_step=step),
+        exactness=exactness(runs, method, text),
+        retrieval=retrieval_spec(shown, decode),
+        far=far_html(shown, text),
+        acceptance=acceptance_spec(shown, decode),
+        throughput=throughput_spec(runs, (method, *moment(events, step))),
         readout=throughput_html(runs, load),
     )
 

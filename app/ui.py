@@ -22,11 +22,12 @@ from specextend.config import GenerationConfig, preset
 from specextend.prompting import Prompt
 from visualizers import heads_spec, needle_spec, retrieval_spec, signal_html
 from visualizers.common import ending, label
+from visualizers.steps import last_step, step_html
 
 from . import documents
 from .backend import EngineFactory, Loaded, PairCache, real_factory
 from .documents import DocumentError
-from .panels import machine_load, main_view, needle_view, status_html
+from .panels import machine_load, main_view, needle_view, status_html, step_view
 from .runner import Job, Knobs, RedrawMeter, build_config, replay
 from .settings import Settings
 from .trace import TraceError, dumps, loads
@@ -49,6 +50,10 @@ CSS = """
 .se-muted { color: #52606d; font-size: 13px; }
 .se-status { font-size: 13px; color: #323f4b; min-height: 1.4em; }
 .se-help { font-size: 13px; color: #52606d; margin: -4px 0 4px 0; }
+.se-focus { outline: 2px solid #e9c46a; border-radius: 3px; background: #fff8e1; }
+.se-guess { color: #e76f51; margin-left: 2px; }
+.se-step { font-size: 14px; padding: 6px 10px; background: #f7f9fb; border-left: 4px solid #e9c46a; border-radius: 4px; }
+.se-hidden { display: none !important; }
 .se-needle { font-size: 14px; padding: 8px 12px; background: #fff8e1; border-left: 4px solid #e9c46a; border-radius: 4px; }
 """
 
@@ -120,6 +125,38 @@ class SessionState:
 
 
 KNOB_NAMES = tuple(f.name for f in fields(Knobs))  # the knob widgets' values reach `run` in this order
+STEP_PANELS = 7  # what moving the step control redraws: output, exactness, retrieval, far, acceptance, speed, step
+PACES = [("half a second a step", "0.5"), ("a second a step", "1"), ("two seconds a step", "2")]
+# a click on a step of the acceptance panel, or on a retrieval's row, moves the step control there (through the
+# hidden #step-jump box); plots are redrawn as new elements, so new ones are hooked as they appear
+CLICK_TO_STEP = """
+() => {
+  const send = (step) => {
+    const box = document.querySelector("#step-jump textarea, #step-jump input");
+    if (!box || !Number.isFinite(step)) return;
+    box.value = `${Math.max(0, Math.round(step))}:${Date.now()}`;
+    box.dispatchEvent(new Event("input", {bubbles: true}));
+  };
+  const hook = () => {
+    for (const [id, pick] of [
+      ["acceptance-plot", (p) => (!p.data.xaxis || p.data.xaxis === "x" || p.data.xaxis === "x3") ? p.x : NaN],
+      ["retrieval-plot", (p) => p.data.yaxis === "y2" ? p.y + 1 : NaN],  // the draft of the next step reads it
+    ]) {
+      const plot = document.querySelector(`#${id} .js-plotly-plot`);
+      if (plot && plot.on && !plot.__stepHooked) {
+        plot.__stepHooked = true;
+        plot.on("plotly_click", (event) => event.points && event.points.length && send(Number(pick(event.points[0]))));
+      }
+    }
+  };
+  setInterval(hook, 500);
+}
+"""
+
+
+def _plot(spec: dict[str, Any] | None) -> Any:
+    """A figure dict as a ready Plot payload (serialised once with orjson), or left as it is."""
+    return gr.skip() if spec is None else PlotData(type="plotly", plot=orjson.dumps(spec).decode())
 
 
 class Studio:
@@ -325,6 +362,75 @@ class Studio:
             old.unlink(missing_ok=True)
         return str(path)
 
+    # --- stepping through a finished run ----------------------------------------------------------
+    @staticmethod
+    def _finished(state: SessionState | None) -> Job | None:
+        """The session's last job, if it finished with runs to step through."""
+        job = state.job if state is not None else None
+        return job if job is not None and job.done.is_set() and job.runs and job.codec is not None else None
+
+    def stepper(self, state: SessionState) -> tuple:
+        """After a run or a replay: the step control over its runs, on the main run at its last step."""
+        job = self._finished(state)
+        if job is None:
+            return gr.Group(visible=False), gr.skip(), gr.skip(), ""
+        runs = job.snapshot()
+        primary = job.methods[0] if job.methods and job.methods[0] in runs else next(iter(runs))
+        last = last_step(runs[primary])
+        return (gr.Group(visible=True), gr.Radio(choices=[(label(m), m) for m in runs], value=primary),
+                gr.Slider(minimum=0, maximum=max(last, 1), value=last), step_html(runs[primary], last, job.codec.text))
+
+    def at_step(self, state: SessionState, method: str, step: float) -> tuple:
+        """Every panel as of `step` of the run `method`, and that step in words (STEP_PANELS' order)."""
+        job = self._finished(state)
+        runs = job.snapshot() if job is not None else {}
+        if method not in runs:
+            return tuple(gr.skip() for _ in range(STEP_PANELS))
+        step = max(0, min(int(step or 0), last_step(runs[method])))
+        view = step_view(runs, method, step, job.codec.decode, job.codec.text)
+        return (view.output, view.exactness, _plot(view.retrieval), view.far, _plot(view.acceptance),
+                _plot(view.throughput), step_html(runs[method], step, job.codec.text))
+
+    def _last(self, state: SessionState, method: str) -> int:
+        job = self._finished(state)
+        runs = job.snapshot() if job is not None else {}
+        return last_step(runs[method]) if method in runs else 0
+
+    def step_by(self, delta: int) -> Callable[..., tuple]:
+        """A handler that moves the control `delta` steps (within the run) and redraws."""
+        def move(state: SessionState, method: str, step: float) -> tuple:
+            target = max(0, min(int(step or 0) + delta, self._last(state, method)))
+            return (target, *self.at_step(state, method, target))
+
+        return move
+
+    def pick_run(self, state: SessionState, method: str) -> tuple:
+        """The control follows the run picked: its steps, at its last one."""
+        last = self._last(state, method)
+        return (gr.Slider(maximum=max(last, 1), value=last), *self.at_step(state, method, last))
+
+    def jump(self, state: SessionState, method: str, value: str) -> tuple:
+        """A click on a panel asked for a step (`step:nonce`, so the same step twice is two changes)."""
+        try:
+            step = int(str(value).split(":")[0])
+        except ValueError:
+            return tuple(gr.skip() for _ in range(STEP_PANELS + 1))
+        return self.step_by(0)(state, method, step)
+
+    def play(self, state: SessionState, method: str, step: float, pace: str, playing: bool) -> tuple:
+        """Play (from the start when at the end) or pause: the timer, the button's label, whether playing, the step."""
+        if playing:
+            return gr.Timer(active=False), "▶ play", False, gr.skip()
+        start = 0 if int(step or 0) >= self._last(state, method) else int(step or 0)
+        return gr.Timer(value=float(pace), active=True), "⏸ pause", True, start
+
+    def tick(self, state: SessionState, method: str, step: float) -> tuple:
+        """One step on while playing; at the last step the timer stops."""
+        moved = self.step_by(1)(state, method, step)
+        done = moved[0] >= self._last(state, method)
+        stop = (gr.Timer(active=False), "▶ play", False) if done else (gr.skip(), gr.skip(), True)
+        return (*moved, *stop)
+
     # --- teaching mode ---------------------------------------------------------------------------
     def needle(self, state: SessionState, haystack: str, length: float, depth: float, seed: float, top_k: float,
                max_new: float, pair_key: str) -> Iterator[tuple]:
@@ -450,6 +556,23 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
                                 temperature = gr.Number(k.temperature, label="temperature (0 = greedy)")
                                 seed = gr.Number(k.seed, label="seed", precision=0)
                     with gr.Column(scale=2):
+                        with gr.Group(visible=False, elem_id="stepper") as stepper:
+                            gr.Markdown("#### Step through the run\nMove the step: every panel below shows the run as "
+                                        "of that step. Or click a step in ③, or a retrieval's row in ②.")
+                            with gr.Row(equal_height=True):
+                                step_run = gr.Radio(label="run", choices=[], elem_id="step-run", scale=2)
+                                step = gr.Slider(0, 1, value=0, step=1, label="step", elem_id="step-slider", scale=3)
+                            with gr.Row(equal_height=True):
+                                prev_btn = gr.Button("◀ previous", size="sm", elem_id="step-prev")
+                                next_btn = gr.Button("next ▶", size="sm", elem_id="step-next")
+                                play_btn = gr.Button("▶ play", size="sm", elem_id="step-play")
+                                step_pace = gr.Dropdown(PACES, value="1", show_label=False, elem_id="step-pace",
+                                                   container=False)
+                            step_info = gr.HTML(elem_id="step-info")
+                            jump = gr.Textbox(elem_id="step-jump", elem_classes="se-hidden", show_label=False,
+                                              container=False)
+                        playing = gr.State(False)
+                        timer = gr.Timer(1.0, active=False)
                         gr.Markdown("### ① Output\nText the run wrote; the highlighted stretches were guessed by the "
                                     "draft and accepted by the target.")
                         output = gr.HTML(elem_id="output")
@@ -513,17 +636,35 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
         for button in (run_btn, n_run):  # at once, outside the queue: whether the click waits, and for how long
             button.click(studio.queued, None, status if button is run_btn else n_status, queue=False,
                          api_visibility="private", show_progress="hidden")
+        stepper_after = dict(fn=studio.stepper, inputs=state, outputs=[stepper, step_run, step, step_info], queue=False,
+                             api_visibility="private", show_progress="hidden")
         run_btn.click(studio.run, [state, document, task, pair, method, race, charts, *knobs], outputs, api_name="run",
                       concurrency_limit=settings.concurrency, concurrency_id="generate", show_progress="minimal",
                       ).then(studio.document_info, [document, pair], doc_info, queue=False, show_progress="hidden",
-                             api_visibility="private")  # the exact token count, now that the model is loaded
+                             api_visibility="private",  # the exact token count, now that the model is loaded
+                             ).then(**stepper_after)
         stop_btn.click(studio.stop, state, status, api_name="stop", queue=False)
         n_run.click(studio.needle, [state, n_hay, n_length, n_depth, n_seed, n_topk, n_new, pair],
                     [n_status, n_info, n_grid, n_answers, n_heads, n_cmr, n_paper, n_stream], api_name="needle",
                     concurrency_limit=settings.concurrency, concurrency_id="generate", show_progress="minimal")
         n_stop.click(studio.stop, state, n_status, api_name="needle_stop", queue=False)
         replay_btn.click(studio.replay, [state, trace_file, pace, charts], outputs, api_name="replay", concurrency_limit=4,
-                         concurrency_id="replay", show_progress="minimal")
+                         concurrency_id="replay", show_progress="minimal").then(**stepper_after)
+
+        # the step control: shown once a run or a replay has finished, hidden while the next one runs
+        panels = [output, exact, retrieval, far, acceptance, throughput, step_info]  # STEP_PANELS, in at_step's order
+        for button in (run_btn, replay_btn):
+            button.click(lambda: (gr.Group(visible=False), gr.Timer(active=False), "▶ play", False), None,
+                         [stepper, timer, play_btn, playing], queue=False, api_visibility="private")
+        page = dict(api_visibility="private", show_progress="hidden")
+        step.release(studio.at_step, [state, step_run, step], panels, **page)
+        prev_btn.click(studio.step_by(-1), [state, step_run, step], [step, *panels], **page)
+        next_btn.click(studio.step_by(1), [state, step_run, step], [step, *panels], **page)
+        step_run.input(studio.pick_run, [state, step_run], [step, *panels], **page)
+        jump.change(studio.jump, [state, step_run, jump], [step, *panels], **page)
+        play_btn.click(studio.play, [state, step_run, step, step_pace, playing], [timer, play_btn, playing, step], **page)
+        timer.tick(studio.tick, [state, step_run, step], [step, *panels, timer, play_btn, playing], **page)
+        demo.load(None, None, None, js=CLICK_TO_STEP)
     demo.queue(default_concurrency_limit=settings.concurrency, max_size=settings.queue_size)
     return demo
 

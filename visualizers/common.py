@@ -97,6 +97,21 @@ def segments(events: Sequence[Event]) -> list[tuple[str, tuple[int, ...], int]]:
     return out
 
 
+def guessed(drafted: Drafted | None, verified: Verified) -> tuple[int, ...]:
+    """The draft's own continuation past what the target kept: from the last accepted node, the first child at
+    each depth (a chain's rejected tail; a tree's first branch), as token ids."""
+    if drafted is None:
+        return ()
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(drafted.parents):
+        children.setdefault(parent, []).append(node)
+    node, out = (verified.accepted_nodes[-1] if verified.accepted_nodes else -1), []
+    while children.get(node):
+        node = children[node][0]
+        out.append(drafted.tokens[node])
+    return tuple(out)
+
+
 def label(method: str) -> str:
     return METHOD_LABELS.get(method, method)
 

@@ -47,6 +47,25 @@ def kept_chunks(r: Retrieved) -> tuple[int, ...]:
     return tuple(i for i, (s, e) in enumerate(grid) if any(a < e and s < b for a, b in r.kept_spans))
 
 
+def changed(read: Retrieved | None, before: Retrieved | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(chunks added, chunks dropped) in the working cache from retrieval `before` to retrieval `read`."""
+    if read is None or before is None:
+        return (), ()
+    now, then = set(kept_chunks(read)), set(kept_chunks(before))
+    return tuple(sorted(now - then)), tuple(sorted(then - now))
+
+
+def _change_marks(added: Sequence[int], dropped: Sequence[int], width: int) -> list[dict]:
+    """Above the strip, + over runs of chunks the latest retrieval brought in and − over those it let go."""
+    marks = []
+    for sign, ids, colour in (("+", added, "#9a6700"), ("−", dropped, "#52606d")):
+        for a, b in _runs([c // width * width for c in ids]):
+            marks.append({"text": sign, "xref": "x", "yref": "y", "x": (a + b) / 2, "y": 0.5, "yanchor": "bottom",
+                          "showarrow": False, "font": {"size": 12, "color": colour},
+                          "hovertext": f"chunks {a}–{b}: {'brought in' if sign == '+' else 'let go'} by this retrieval"})
+    return marks
+
+
 def _runs(ids: Sequence[int]) -> list[tuple[int, int]]:
     """Consecutive ids merged into inclusive (first, last) runs."""
     out: list[tuple[int, int]] = []
@@ -304,7 +323,8 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
          "line": {"color": FAR, "width": 3}, "fillcolor": "rgba(0,0,0,0)"}
         for a, b in _runs([c // width * width for c in far])
     ]
-    annotations = []
+    added, dropped = changed(latest, retrievals[-2] if len(retrievals) > 1 else None)
+    annotations = _change_marks(added, dropped, width)
     if latest.scores:
         annotations.append({"text": "accepted<br>per step", "xref": "x", "yref": "paper", "x": columns[-1] + 2.2 * width,
                             "y": 1 - 44 / 300, "yanchor": "bottom", "showarrow": False, "font": {"size": 9,
@@ -324,8 +344,9 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
         s, e = grid[best]
         snippet = hover_text(decode(sequence[s:e]), width=1000, limit=60 if height else 90)
         signal = f" ({latest.signal} signal)" if latest.signal else ""
+        moved = f", +{len(added)} / −{len(dropped)} since step {retrievals[-2].step}" if len(retrievals) > 1 else ""
         headline = (f"Retrieval after step {latest.step}{signal}: {len(kept)} of {n} chunks in the draft's working cache "
-                    f"({latest.working_cache_len} tokens), <span style='color:{FAR}'>{len(far)} reaching back</span>"
+                    f"({latest.working_cache_len} tokens{moved}), <span style='color:{FAR}'>{len(far)} reaching back</span>"
                     f"<br><span style='font-size:12px'>after the sink, the signal scores chunk {best} highest: "
                     f"“{snippet}”</span>")
     else:

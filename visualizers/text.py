@@ -9,9 +9,9 @@ from __future__ import annotations
 import html
 from typing import Sequence
 
-from specextend.events import Event, Finished, Prefilling, Started
+from specextend.events import Drafted, Event, Finished, Prefilling, Started, Verified
 
-from .common import STATUS_COLORS, Decode, of, segments, stop_reason
+from .common import STATUS_COLORS, Decode, guessed, of, segments, stop_reason
 
 LEGEND = (
     "<div class='se-legend'>"
@@ -24,11 +24,14 @@ LEGEND = (
 )
 
 
-def output_html(events: Sequence[Event], decode: Decode) -> str:
-    """The generated text so far; each accepted draft run is highlighted, hover tells its step."""
+def output_html(events: Sequence[Event], decode: Decode, at_step: int | None = None) -> str:
+    """The generated text so far; each accepted draft run is highlighted, hover tells its step. With `at_step`, that
+    step's tokens are outlined and the draft's guess the target did not keep follows them, struck through."""
     parts = []
     for source, ids, step in segments(events):
         text = html.escape(decode(list(ids)))
+        if at_step is not None and step == (at_step if at_step > 0 else -1):
+            text = f"<span class='se-focus' title='step {max(at_step, 0)}'>{text}</span>"
         if source == "accepted":
             parts.append(
                 f"<span class='se-draft' title='step {step}: {len(ids)} draft token(s) accepted' "
@@ -42,6 +45,12 @@ def output_html(events: Sequence[Event], decode: Decode) -> str:
         else:
             where = "first token, from the prefill" if step < 0 else f"step {step}: the target's token"
             parts.append(f"<span class='se-target' title='{where}'>{text}</span>")
+    if at_step is not None and at_step > 0:
+        verified = [v for v in of(events, Verified) if v.step == at_step]
+        drafted = [d for d in of(events, Drafted) if d.step == at_step]
+        guess = guessed(drafted[0] if drafted else None, verified[0]) if verified else ()
+        if guess:
+            parts.append(f"<s class='se-guess' title='step {at_step}: X'>{html.escape(decode(list(guess)))}</s>")
     reason = stop_reason(events)
     note = {"running": "…", "stopped": " ⏹ stopped", "eos": "", "max_new_tokens": " [token limit]"}.get(reason, "")
     body = "".join(parts) or f"<i>{html.escape(waiting_for(events))}</i>"

@@ -40,8 +40,9 @@ def phase_breakdown(events: Sequence[Event]) -> dict[str, float]:
     return out
 
 
-def throughput_spec(runs: Mapping[str, Sequence[Event]]) -> Spec:
-    """Tokens-vs-time curves and per-phase bars for runs keyed by method, as a Plotly figure dict."""
+def throughput_spec(runs: Mapping[str, Sequence[Event]], at: tuple[str, float, int] | None = None) -> Spec:
+    """Tokens-vs-time curves and per-phase bars for runs keyed by method, as a Plotly figure dict. `at` = (method,
+    seconds, tokens) marks one moment of one run (a step being looked at)."""
     runs = {m: ev for m, ev in runs.items() if ev}
     if not runs:
         return message_spec("run a generation to see its speed (tick race mode to compare methods)")
@@ -55,6 +56,15 @@ def throughput_spec(runs: Mapping[str, Sequence[Event]]) -> Spec:
                              "<extra></extra>",
             "legend": "legend", "showlegend": True,
         })
+    shapes: list[dict] = []
+    marker: list[dict] = []
+    if at is not None:
+        method, seconds, tokens = at
+        shapes.append({"type": "line", "xref": "x", "yref": "paper", "x0": seconds, "x1": seconds, "y0": 0, "y1": 1,
+                       "line": {"color": color(method), "width": 1, "dash": "dot"}})
+        marker = [{"type": "scatter", "mode": "markers", "x": [seconds], "y": [tokens], "showlegend": False,
+                   "marker": {"size": 11, "color": color(method), "line": {"color": "white", "width": 2}},
+                   "hovertemplate": "the step shown: %{y} tokens at %{x:.2f} s<extra></extra>"}]
     names = [with_lookup(ev, short_label(m)) for m, ev in runs.items()]
     breakdowns = [phase_breakdown(ev) for ev in runs.values()]
     for phase, shade in PHASE_COLORS.items():
@@ -63,6 +73,7 @@ def throughput_spec(runs: Mapping[str, Sequence[Event]]) -> Spec:
             "marker": {"color": shade}, "xaxis": "x2", "yaxis": "y2", "legend": "legend2", "showlegend": True,
             "hovertemplate": f"{phase}: %{{x:.2f}} s<extra>%{{y}}</extra>",
         })
+    data += marker
     layout = base_layout(
         340,
         title=title("Tokens generated over time (same input, same limit) · where each run spent its time"),
@@ -75,6 +86,7 @@ def throughput_spec(runs: Mapping[str, Sequence[Event]]) -> Spec:
         legend={"x": 0.01, "y": 0.99, "bgcolor": "rgba(255,255,255,0.8)"},
         legend2={"orientation": "h", "x": 0.62, "y": -0.25, "xanchor": "left"},
         margin={"l": 56, "r": 16, "t": 36, "b": 80},
+        shapes=shapes,
     )
     return {"data": data, "layout": layout}
 

@@ -1,0 +1,103 @@
+"""Stepping through a run: the state at step s is a fold of the trace's events up to s. At the last step it is the
+whole trace (today's end-of-run panels); at any step it matches the events up to that step, on the recorded trace
+and on synthetic ones."""
+
+from __future__ import annotations
+
+import html
+import re
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from app.panels import main_view, step_view
+from specextend.config import DraftConfig, RetrievalConfig
+from specextend.events import Drafted, Finished, Prefilled, Retrieved, Verified
+from test_visualizers import decode, recorded_traces, trace
+from visualizers import acceptance_spec, output_html, retrieval_spec
+from visualizers.common import guessed
+from visualizers.retrieval import changed, kept_chunks
+from visualizers.steps import as_of, last_step, moment, step_html
+
+
+def cases() -> list[tuple[str, dict, object]]:
+    out = [(m, {m: trace(m)}, decode) for m in ("specextend", "streaming", "speculative", "autoregressive")]
+    out.append(("tree", {"specextend": trace(draft=DraftConfig(shape="tree", max_depth=4, node_budget=8),
+                                             retrieval=RetrievalConfig(chunk_size=32, top_k=6, retrieve_every=1))}, decode))
+    for runs, codec, _ in recorded_traces():
+        out += [(f"recorded {m}", {m: runs[m], **runs}, codec.decode) for m in runs]
+    return out
+
+
+CASES = cases()
+
+
+@pytest.mark.parametrize("name,runs,dec", CASES, ids=[c[0] for c in CASES])
+def test_the_last_step_is_the_whole_run_and_draws_todays_end_of_run_panels(name, runs, dec):
+    method = next(iter(runs))
+    events = runs[method]
+    last = last_step(events)
+    assert as_of(events, last) == list(events) and as_of(events, last + 5) == list(events)
+    end, at_last = main_view(runs, method, dec), step_view(runs, method, last, dec)
+    for panel in ("retrieval", "far", "acceptance", "exactness", "readout"):
+        assert getattr(at_last, panel) == getattr(end, panel), panel
+    # the output too, once the marks of the step being looked at (its outline, the draft's rejected guess) are off
+    unmarked = re.sub(r"<s class='se-guess'[^>]*>.*?</s>", "", at_last.output)
+    unmarked = re.sub(r"<span class='se-focus' title='step \d+'>(.*?)</span>(</span>)", r"\1\2", unmarked)
+    assert unmarked == end.output and ("se-focus" in at_last.output) == (last > 0 or "Prefilled" in repr(events))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=st.sampled_from(CASES), where=st.floats(0, 1))
+def test_the_state_at_a_step_matches_the_events_up_to_it(case, where):
+    _, runs, dec = case
+    method = next(iter(runs))
+    events = runs[method]
+    last = last_step(events)
+    s = round(where * last)
+    shown = as_of(events, s)
+    assert shown == list(events)[: len(shown)]  # a prefix: nothing invented, nothing reordered
+    verified = [v for v in shown if isinstance(v, Verified)]
+    assert [v.step for v in verified] == [v.step for v in events if isinstance(v, Verified) and v.step <= s]
+    if s < last:
+        assert not any(isinstance(e, Finished) for e in shown)
+        # the working cache as the draft of step s read it: retrievals after earlier steps only
+        assert [r.step for r in shown if isinstance(r, Retrieved)] == [
+            r.step for r in events if isinstance(r, Retrieved) and r.step < s]
+    # the panels drawn from it: the acceptance columns are the steps up to s, the heatmap rows the retrievals so far
+    columns = acceptance_spec(shown, dec)["data"]
+    if method != "autoregressive" and verified:
+        assert columns[0]["x"] == [v.step for v in verified]
+    retrievals = [r for r in shown if isinstance(r, Retrieved)]
+    if retrievals:
+        spec = retrieval_spec(shown, dec)
+        assert spec["data"][1]["y"] == [r.step for r in retrievals][-len(spec["data"][1]["y"]):]
+        added, dropped = changed(retrievals[-1], retrievals[-2] if len(retrievals) > 1 else None)
+        signs = [a["text"] for a in spec["layout"]["annotations"] if a["text"] in ("+", "−")]
+        assert ("+" in signs) == bool(added) and ("−" in signs) == bool(dropped)
+    # the output holds the tokens committed by then, that step's outlined, then the draft's rejected guess
+    text = html.unescape(re.sub(r"<[^>]+>", "", output_html(shown, dec, at_step=s)))
+    committed = [p.first_token for p in shown if isinstance(p, Prefilled)] + [t for v in verified for t in v.committed]
+    guess = ()
+    if s > 0 and verified and verified[-1].step == s:
+        drafts = [d for d in shown if isinstance(d, Drafted) and d.step == s]
+        guess = guessed(drafts[0] if drafts else None, verified[-1])
+    assert dec(committed) + dec(list(guess)) in text
+    seconds, tokens = moment(events, s)
+    assert tokens == (verified[-1].total_new if verified else 1)
+    assert f"Step {s} of {last}" in step_html(events, s, dec)
+
+
+def test_a_step_in_words_names_the_cache_its_draft_read_and_what_changed():
+    events = trace(retrieval=RetrievalConfig(chunk_size=32, top_k=6, retrieve_every=1))
+    retrievals = [r for r in events if isinstance(r, Retrieved)]
+    moved = next(i for i in range(1, len(retrievals)) if changed(retrievals[i], retrievals[i - 1]) != ((), ()))
+    read, before = retrievals[moved], retrievals[moved - 1]
+    added, dropped = changed(read, before)
+    assert set(added) == set(kept_chunks(read)) - set(kept_chunks(before))
+    words = html.unescape(step_html(events, read.step + 1, decode))
+    assert f"chosen after step {read.step} (+{len(added)} / −{len(dropped)} chunks since the retrieval after step " \
+           f"{before.step})" in words
+    verified = next(v for v in events if isinstance(v, Verified) and v.step == read.step + 1)
+    assert f"the target accepted {verified.num_accepted}" in re.sub(r"<[^>]+>", "", words)
+    assert "the target read the prompt (1,200 tokens)" in step_html(events, 0, decode)

@@ -1,0 +1,110 @@
+"""Stepping through a finished run: the run as of one step, and that step told in words.
+
+A pure fold over a trace: every panel drawn from `as_of(events, s)` is that panel at step s, so stepping costs no
+model and no engine work. Step 0 is the prefill (the target's first token); step s ends with its verification.
+A retrieval after step s belongs to step s + 1, whose draft reads it. The last step's state is the whole trace.
+Knows events; no gradio, no models.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+from typing import Sequence
+
+from specextend.events import Drafted, Event, Finished, Prefilled, Retrieved, Verified
+
+from .common import STATUS_COLORS, Decode, guessed, method_of, of
+from .retrieval import changed
+
+
+def last_step(events: Sequence[Event]) -> int:
+    """The run's last step (0: none after the prefill)."""
+    verified = of(events, Verified)
+    return verified[-1].step if verified else 0
+
+
+def as_of(events: Sequence[Event], step: int) -> list[Event]:
+    """The run's events as of the end of `step`: everything before the first event of a later step (a retrieval
+    after `step` included, since the next draft reads it); from the last step on, the whole trace."""
+    if step >= last_step(events):
+        return list(events)
+    out = []
+    for e in events:
+        later = isinstance(e, Finished) or (isinstance(e, Retrieved) and e.step >= step) or (
+            isinstance(e, (Drafted, Verified)) and e.step > step)
+        if later:
+            break
+        out.append(e)
+    return out
+
+
+def moment(events: Sequence[Event], step: int) -> tuple[float, int]:
+    """(seconds since the request, tokens generated) at the end of `step` (0: the prefill)."""
+    verified = [v for v in of(events, Verified) if v.step <= step]
+    if verified:
+        return verified[-1].t_s, verified[-1].total_new
+    prefilled = of(events, Prefilled)
+    return (prefilled[0].t_s, 1) if prefilled else (0.0, 0)
+
+
+@dataclass(frozen=True)
+class StepFocus:
+    """What happened at one step: its draft and verdict, the working cache its draft read, and the one before."""
+
+    step: int
+    drafted: Drafted | None
+    verified: Verified | None
+    read: Retrieved | None  # the latest retrieval before this step's draft
+    before: Retrieved | None  # the retrieval before that one
+
+
+def focus(events: Sequence[Event], step: int) -> StepFocus:
+    drafted = next((d for d in of(events, Drafted) if d.step == step), None)
+    verified = next((v for v in of(events, Verified) if v.step == step), None)
+    earlier = [r for r in of(events, Retrieved) if r.step < step]
+    return StepFocus(step, drafted, verified, earlier[-1] if earlier else None, earlier[-2] if len(earlier) > 1 else None)
+
+
+def _quote(decode: Decode, ids: Sequence[int]) -> str:
+    return f"“{html.escape(decode(list(ids)))}”" if ids else "nothing"
+
+
+def step_html(events: Sequence[Event], step: int, decode: Decode) -> str:
+    """One step in words: what the draft read and proposed, what the target kept and added."""
+    last = last_step(events)
+    head = f"<b>Step {step} of {last}</b>"
+    if step <= 0:
+        prefilled = of(events, Prefilled)
+        if not prefilled:
+            return f"<div class='se-step'>{head}: the run has not finished its prefill.</div>"
+        p = prefilled[0]
+        return (f"<div class='se-step'>{head}: the target read the prompt ({p.prompt_len:,} tokens) and wrote the first "
+                f"token {_quote(decode, [p.first_token])}.</div>")
+    f = focus(events, step)
+    if f.verified is None:
+        return f"<div class='se-step'>{head}: this run has no step {step}.</div>"
+    v = f.verified
+    if method_of(events) == "autoregressive":
+        return f"<div class='se-step'>{head}: the target alone wrote {_quote(decode, v.committed)}.</div>"
+    parts = []
+    if f.read is not None:
+        added, dropped = changed(f.read, f.before)
+        since = f" (+{len(added)} / −{len(dropped)} chunks since the retrieval after step {f.before.step})" if f.before else ""
+        parts.append(f"the draft read a working cache of {f.read.working_cache_len:,} tokens, chosen after step "
+                     f"{f.read.step}{since}")
+    d = f.drafted
+    if d is None or not d.tokens:
+        parts.append("nothing was drafted (no room left)")
+    else:
+        shape = "a chain" if all(p == i - 1 for i, p in enumerate(d.parents)) else "a tree"
+        parts.append(f"it proposed {len(d.tokens)} token(s) as {shape}")
+    kept = v.committed[: v.num_accepted]
+    verdict = (f"the target accepted <span style='color:{STATUS_COLORS['accepted']}'>{v.num_accepted}</span> "
+               f"{_quote(decode, kept)} and added its own <span style='color:#9a6700'>{_quote(decode, [v.bonus_token])}</span>")
+    guess = guessed(d, v)
+    if guess:
+        verdict += (f"; the draft had guessed <s style='color:{STATUS_COLORS['rejected']}'>"
+                    f"{_quote(decode, guess)}</s> there")
+    parts.append(verdict)
+    return f"<div class='se-step'>{head}: {'; '.join(parts)}.</div>"
