@@ -213,3 +213,74 @@ def test_lookup_copies_show_in_the_output_and_the_retrieval_panel(studio_url, br
     OUT.mkdir(exist_ok=True)
     page.screenshot(path=str(OUT / f"lookup-{engine}.png"), full_page=True)
     page.close()
+
+
+FIXTURE_TRACE = Path(__file__).parent / "fixtures" / "smollm2_hamlet.trace.json"
+
+
+def stepped(page) -> dict:
+    """What the step control changes: the step in words, the output, the working cache outlined on the strip, the
+    acceptance panel's columns and its draft tree's title."""
+    return page.evaluate("""() => {
+        const plot = id => document.querySelector(`#${id} .js-plotly-plot`);
+        const outline = (plot('retrieval-plot').layout.shapes || []).filter(s => s.type === 'rect' && s.yref === 'y')
+            .map(s => [s.x0, s.x1]);
+        const titles = (plot('acceptance-plot').layout.annotations || []).map(a => a.text);
+        return {info: document.querySelector('#step-info').innerText, output: document.querySelector('#output').innerHTML,
+                outline: JSON.stringify(outline), columns: plot('acceptance-plot').data[0].x.length,
+                tree: titles.find(t => t.includes('draft tree')) || ''};
+    }""")
+
+
+def wait_for_step(page, step: int) -> None:
+    """Until the step is told in words and the acceptance panel has that many columns (the panels are redrawn)."""
+    page.wait_for_function(
+        f"document.querySelector('#step-info')?.innerText.includes('Step {step} of') && "
+        f"document.querySelector('#retrieval-plot .js-plotly-plot')?.layout && "
+        f"(document.querySelector('#acceptance-plot .js-plotly-plot')?.data?.[0]?.x || []).length === {step}",
+        timeout=30_000)
+
+
+@pytest.mark.parametrize("engine", [ENGINE])
+def test_the_step_control_moves_every_panel_through_a_replayed_trace(studio_url, browser, engine):
+    """Replay the recorded trace (no model), then step: the output, the working-cache outline and the draft tree
+    follow the control, whether moved by its buttons, by the slider's box or by a click on a step in ③."""
+    url, _ = studio_url
+    events = json.loads(FIXTURE_TRACE.read_text())["runs"]["specextend"]
+    last = max(e["step"] for e in events if e["type"] == "Verified")
+    page = browser.new_page(viewport={"width": 1500, "height": 1100})
+    page.goto(url)
+    page.wait_for_selector("#run")
+    page.get_by_text("Replay a trace without loading any model").click()
+    page.set_input_files("#trace-file input[type=file]", str(FIXTURE_TRACE))
+    page.wait_for_function("document.querySelector('#trace-file')?.innerText.includes('.json')", timeout=30_000)
+    page.click("#replay")
+    page.wait_for_function("document.querySelector('#status').innerText.includes('Done.')", timeout=120_000)
+    page.wait_for_selector("#stepper", state="visible", timeout=30_000)
+    wait_for_step(page, last)
+    end = stepped(page)
+    assert end["columns"] == last and "se-focus" not in end["output"]  # the end of the run, as drawn live
+
+    page.click("#step-prev")
+    wait_for_step(page, last - 1)
+    before = stepped(page)
+    assert before["columns"] == last - 1 and before["output"] != end["output"]
+
+    set_number(page, "#step-slider input[type=number]", 6)  # typed into the slider's box
+    page.locator("#step-slider input[type=range]").dispatch_event("pointerup")
+    wait_for_step(page, 6)
+    early = stepped(page)
+    assert early["columns"] == 6 and len(early["output"]) < len(before["output"])
+    assert early["outline"] != before["outline"]  # the working cache the draft read then, not at the end
+    drafted_at_6 = any(e["type"] == "Drafted" and e["step"] == 6 and e["tokens"] for e in events)
+    assert ("step 6: draft tree" in early["tree"]) == drafted_at_6
+
+    page.evaluate("""() => { const p = document.querySelector('#acceptance-plot .js-plotly-plot');
+                             p.emit('plotly_click', {points: [{x: 12, y: 1, data: p.data[0]}]}); }""")  # a click on ③
+    wait_for_step(page, 12)
+    assert stepped(page)["columns"] == 12
+    page.click("#step-next")
+    wait_for_step(page, 13)
+    OUT.mkdir(exist_ok=True)
+    page.screenshot(path=str(OUT / "stepping.png"), full_page=False)
+    page.close()

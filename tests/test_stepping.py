@@ -99,5 +99,35 @@ def test_a_step_in_words_names_the_cache_its_draft_read_and_what_changed():
     assert f"chosen after step {read.step} (+{len(added)} / −{len(dropped)} chunks since the retrieval after step " \
            f"{before.step})" in words
     verified = next(v for v in events if isinstance(v, Verified) and v.step == read.step + 1)
-    assert f"the target accepted {verified.num_accepted}" in re.sub(r"<[^>]+>", "", words)
+    verdict = f"the target accepted {verified.num_accepted}," if verified.num_accepted else "the target kept none"
+    assert verdict in re.sub(r"<[^>]+>", "", words)
     assert "the target read the prompt (1,200 tokens)" in step_html(events, 0, decode)
+
+
+def test_the_step_handlers_stay_within_the_run_and_play_stops_at_its_end():
+    from pathlib import Path
+
+    from app.settings import Settings
+    from app.ui import STEP_PANELS, SessionState, Studio
+    from fixtures.fake_engine import fake_factory
+
+    fixture = Path(__file__).parent / "fixtures" / "smollm2_hamlet.trace.json"
+    studio, state = Studio(fake_factory(), Settings()), SessionState()
+    assert studio.stepper(state)[0].visible is False  # nothing has run
+    list(studio.replay(state, str(fixture), "instant"))
+    runs = state.job.snapshot()
+    last = last_step(runs["specextend"])
+    shown, run, slider, words = studio.stepper(state)
+    assert shown.visible and run.value == "specextend" and slider.value == last and f"Step {last} of {last}" in words
+    back = studio.step_by(-1)(state, "specextend", 5)
+    assert back[0] == 4 and len(back) == STEP_PANELS + 1 and "Step 4 of" in back[-1]
+    assert studio.step_by(1)(state, "specextend", last)[0] == last and studio.step_by(-1)(state, "specextend", 0)[0] == 0
+    assert studio.jump(state, "specextend", "12:1764000000")[0] == 12
+    assert studio.jump(state, "specextend", "not a step")[0].__class__.__name__ != "int"  # ignored, not a crash
+    timer, button, playing, start = studio.play(state, "specextend", last, "0.5", False)  # at the end: from the start
+    assert timer.active and timer.value == 0.5 and playing and start == 0 and "pause" in button
+    *moved, timer, button, playing = studio.tick(state, "specextend", last - 1)
+    assert moved[0] == last and timer.active is False and playing is False and "play" in button
+    assert studio.play(state, "specextend", 3, "1", True)[2] is False  # pause
+    slider, *_ = studio.pick_run(state, "autoregressive")
+    assert slider.value == last_step(runs["autoregressive"]) == slider.maximum

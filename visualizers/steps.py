@@ -94,17 +94,18 @@ def step_html(events: Sequence[Event], step: int, decode: Decode) -> str:
         parts.append(f"the draft read a working cache of {f.read.working_cache_len:,} tokens, chosen after step "
                      f"{f.read.step}{since}")
     d = f.drafted
+    bonus = f"<span style='color:#9a6700'>{_quote(decode, [v.bonus_token])}</span>"
     if d is None or not d.tokens:
-        parts.append("nothing was drafted (no room left)")
+        parts.append(f"nothing was drafted (no room left), so the target wrote {bonus} itself")
     else:
         shape = "a chain" if all(p == i - 1 for i, p in enumerate(d.parents)) else "a tree"
-        parts.append(f"it proposed {len(d.tokens)} token(s) as {shape}")
-    kept = v.committed[: v.num_accepted]
-    verdict = (f"the target accepted <span style='color:{STATUS_COLORS['accepted']}'>{v.num_accepted}</span> "
-               f"{_quote(decode, kept)} and added its own <span style='color:#9a6700'>{_quote(decode, [v.bonus_token])}</span>")
-    guess = guessed(d, v)
-    if guess:
-        verdict += (f"; the draft had guessed <s style='color:{STATUS_COLORS['rejected']}'>"
-                    f"{_quote(decode, guess)}</s> there")
-    parts.append(verdict)
+        kept = v.committed[: v.num_accepted]
+        verdict = (f"it proposed {len(d.tokens)} token(s) as {shape}; the target "
+                   + (f"accepted <span style='color:{STATUS_COLORS['accepted']}'>{v.num_accepted}</span>, "
+                      f"{_quote(decode, kept)}, and added its own {bonus}" if kept else f"kept none and wrote {bonus}"))
+        guess = guessed(d, v)
+        if guess:
+            verdict += (f" where the draft had guessed <s style='color:{STATUS_COLORS['rejected']}'>"
+                        f"{_quote(decode, guess)}</s>")
+        parts.append(verdict)
     return f"<div class='se-step'>{head}: {'; '.join(parts)}.</div>"
