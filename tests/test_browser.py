@@ -232,6 +232,14 @@ def stepped(page) -> dict:
     }""")
 
 
+def click(page, elem_id: str, trace: int, x: float, y: float) -> None:
+    """A click on a point of a panel, as Plotly reports it, once the page has hooked the panel's graph."""
+    page.wait_for_function(f"document.querySelector('#{elem_id} .js-plotly-plot')?.__stepHooked === true",
+                           timeout=10_000)
+    page.evaluate(f"""() => {{ const p = document.querySelector('#{elem_id} .js-plotly-plot');
+                               p.emit('plotly_click', {{points: [{{x: {x}, y: {y}, data: p.data[{trace}]}}]}}); }}""")
+
+
 def wait_for_step(page, step: int) -> None:
     """Until the step is told in words and the acceptance panel has that many columns (the panels are redrawn)."""
     page.wait_for_function(
@@ -273,14 +281,15 @@ def test_the_step_control_moves_every_panel_through_a_replayed_trace(studio_url,
     assert early["columns"] == 6 and len(early["output"]) < len(before["output"])
     assert early["outline"] != before["outline"]  # the working cache the draft read then, not at the end
     drafted_at_6 = any(e["type"] == "Drafted" and e["step"] == 6 and e["tokens"] for e in events)
-    assert ("step 6: draft tree" in early["tree"]) == drafted_at_6
+    assert ("step 6: draft tree" in early["tree"]) == drafted_at_6 and early["tree"] != end["tree"]
 
-    page.evaluate("""() => { const p = document.querySelector('#acceptance-plot .js-plotly-plot');
-                             p.emit('plotly_click', {points: [{x: 12, y: 1, data: p.data[0]}]}); }""")  # a click on ③
+    click(page, "acceptance-plot", 0, x=12, y=1)  # a step of ③
     wait_for_step(page, 12)
     assert stepped(page)["columns"] == 12
+    click(page, "retrieval-plot", 1, x=3, y=8)  # a row of ②'s heatmap: the working cache chosen after step 8
+    wait_for_step(page, 9)  # the step whose draft read it
     page.click("#step-next")
-    wait_for_step(page, 13)
+    wait_for_step(page, 10)
     OUT.mkdir(exist_ok=True)
     page.screenshot(path=str(OUT / "stepping.png"), full_page=False)
     page.close()
