@@ -19,6 +19,7 @@ import orjson
 from gradio.components.plot import PlotData
 
 from specextend.config import GenerationConfig, preset
+from specextend.methods import METHOD_TABLE
 from specextend.prompting import Prompt
 from visualizers import heads_spec, needle_spec, retrieval_spec, signal_html
 from visualizers.common import ending, label
@@ -70,13 +71,7 @@ Pick a sample document (or paste or upload one), press **Run**, and watch: **①
 standard speculative decoding and the target alone.
 """
 
-METHOD_CHOICES = [
-    ("SpecExtend (CMR + fast attention)", "specextend"),
-    ("standard speculative decoding", "speculative"),
-    ("speculative, StreamingLLM draft cache", "streaming"),
-    ("lookup drafting alone (copies, no draft model)", "lookup"),
-    ("the target alone", "autoregressive"),
-]
+METHOD_CHOICES = [(m.choice, m.name) for m in reversed(METHOD_TABLE)]  # SpecExtend first, the target alone last
 SIGNAL_CHOICES = [("the pair's default (calibrated heads, recent rows, recency reserve)", "default"),
                   ("the paper's (final layer, last token, heads averaged)", "paper")]
 NEEDLE_RUNS = ("specextend", "specextend_paper", "streaming")  # the needle tab's runs: CMR under two signals, StreamingLLM

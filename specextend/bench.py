@@ -44,6 +44,7 @@ from .drafting import DraftTree, ModelDrafter
 from .engine import Target, generate
 from .events import Finished
 from .kernel_bench import llama
+from .methods import DraftCache
 from .metrics import PHASES, summarize
 from .models import ModelPair, load_pair, make_pair
 from .probe import holds, needle_prompt, read_signals
@@ -289,7 +290,7 @@ def draft_answer(pair: ModelPair, config: GenerationConfig, policy_name: str, pr
     drafter = ModelDrafter(pair.draft, config.replace(draft=DraftConfig(k=n)), policy, len(prompt) + n + 2)
     for _ in drafter.prefill(prompt, None):
         pass
-    if policy.name != "full":
+    if policy.name is not DraftCache.FULL:
         drafter.rebuild(scores if policy.needs_scores else None)
     return list(drafter.propose(n, None).tokens)
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from .methods import METHOD_INFO, METHODS, DraftCache
+
 Method = Literal["autoregressive", "lookup", "speculative", "streaming", "specextend"]
-METHODS: tuple[str, ...] = ("autoregressive", "lookup", "speculative", "streaming", "specextend")
 # retrieval signals by name: the paper's recipe; the pair's calibrated signal (an error for a pair without one);
 # "default": the calibrated signal where the pair has one, else a calibration-free one (specextend/signal.py)
 SIGNAL_NAMES: tuple[str, ...] = ("paper", "calibrated", "default")
@@ -299,7 +300,8 @@ class GenerationConfig:
             raise ValueError(f"seed must be a whole number from 0 to {MAX_SEED}, got {self.seed}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.cmr and self.method in ("autoregressive", "lookup", "streaming"):
+        info = METHOD_INFO[self.method]
+        if self.cmr and (not info.draft_model or info.cache is DraftCache.STREAMING):
             raise ValueError(f"cmr cannot be switched on for method {self.method!r}")
         if self.lookup.enabled and self.method == "autoregressive":
             raise ValueError("lookup drafting cannot be switched on for the target alone (use method 'lookup')")
@@ -314,7 +316,7 @@ class GenerationConfig:
     @property
     def uses_draft(self) -> bool:
         """Whether the draft model proposes (every method but the target alone and lookup alone)."""
-        return self.method not in ("autoregressive", "lookup")
+        return METHOD_INFO[self.method].draft_model
 
     @property
     def uses_lookup(self) -> bool:
@@ -326,12 +328,13 @@ class GenerationConfig:
         return (self.draft.budget if self.uses_draft else 0) + (self.lookup.budget if self.uses_lookup else 0)
 
     @property
-    def draft_cache(self) -> Literal["full", "streaming", "cmr"]:
-        """Which draft-cache policy the method resolves to."""
-        if self.method == "streaming":
-            return "streaming"
-        cmr = self.cmr if self.cmr is not None else self.method == "specextend"
-        return "cmr" if cmr else "full"
+    def draft_cache(self) -> DraftCache:
+        """Which draft-cache policy the method resolves to (`cmr` ablates CMR on or off)."""
+        default = METHOD_INFO[self.method].cache
+        if default is DraftCache.STREAMING:
+            return default
+        cmr = self.cmr if self.cmr is not None else default is DraftCache.CMR
+        return DraftCache.CMR if cmr else DraftCache.FULL
 
     def replace(self, **changes) -> GenerationConfig:
         return replace(self, **changes)
@@ -347,7 +350,7 @@ def preset(method: str, **changes) -> GenerationConfig:
     Any field can be overridden.
     """
     attention = AttentionConfig(prefill="fused", verify="masked")
-    if method in ("autoregressive", "lookup", "specextend"):
+    if method in METHOD_INFO and METHOD_INFO[method].fast:
         attention = AttentionConfig(prefill="fused", verify="auto", steps="auto")
     changes.setdefault("attention", attention)
     return GenerationConfig(method=method, **changes)

@@ -24,6 +24,7 @@ import torch
 from .attention import AttentionPlan
 from .cache import KVCache, reposition
 from .config import DraftConfig, GenerationConfig
+from .methods import DraftCache
 from .models import forward, rope_inv_freq
 from .retrieval import DraftCachePolicy, Selection
 from .steps import StepRunner, make_runner
@@ -199,7 +200,7 @@ class ModelDrafter:
         self.policy = policy
         largest = max(self.draft.depth + 1, self.draft.width[0])  # the pending tokens, or one tree level
         steps = config.attention.steps
-        if policy.name == "full":
+        if policy.name is DraftCache.FULL:
             self.runner = make_runner(model, capacity, steps, largest)
             self.store = self.runner.cache
         else:

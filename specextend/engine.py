@@ -18,6 +18,7 @@ from .attention import AttentionPlan, QueryCapture
 from .config import GenerationConfig, RetrievalSignal
 from .drafting import Drafter, DraftTree, ModelDrafter, NoDrafter, tree_mask
 from .lookup import LookupDrafter, MergedDrafter
+from .methods import DraftCache
 from .events import Drafted, Event, Finished, Prefilled, Prefilling, Retrieved, Started, Verified
 from .models import ModelPair, final_layer
 from .retrieval import make_policy
@@ -210,7 +211,7 @@ def generate(
         drafter.commit([first])
         yield Prefilled(t_s=clock(), elapsed_s=target_s + draft_s, prompt_len=len(prompt), target_s=target_s,
                         draft_s=draft_s, first_token=first, shared=target.shared_s is not None)
-        if drafter.policy.name != "full":
+        if drafter.policy.name is not DraftCache.FULL:
             yield retrieve(drafter, target, 0, config, clock, sync)
 
         # 2) draft, verify, commit, retrieve: until max_new_tokens, EOS or stop
@@ -288,7 +289,7 @@ def retrieve(drafter: Drafter, target: Target, step: int, config: GenerationConf
     selection, seq_len = drafter.rebuild(target.token_scores() if scored else None)
     sync()
     signal = config.retrieval.signal
-    return Retrieved(t_s=clock(), elapsed_s=clock() - phase, step=step, policy=drafter.policy.name, seq_len=seq_len,
+    return Retrieved(t_s=clock(), elapsed_s=clock() - phase, step=step, policy=drafter.policy.name.value, seq_len=seq_len,
                      chunk_size=config.retrieval.chunk_size, chunk_spans=selection.chunk_spans, scores=selection.scores,
                      selected=selection.selected, kept_spans=selection.kept_spans,
                      working_cache_len=int(selection.positions.shape[0]), signal=signal.name if scored else "",

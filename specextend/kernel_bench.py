@@ -24,6 +24,7 @@ from .attention import full_tree_mask, hybrid_tree_attention, math_attention, pr
 from .config import AttentionConfig, DraftConfig, LookupConfig, RetrievalConfig, RetrievalSignal, preset
 from .drafting import tree_mask
 from .engine import generate
+from .methods import METHOD_TABLE
 from .metrics import summarize
 from .models import make_pair
 from .signal import PAPER, UNCALIBRATED
@@ -140,7 +141,7 @@ def check_lossless(device, prompt_len: int, new_tokens: int, steps: tuple[str, .
     for step_mode in steps:
         configs[f"autoregressive/{step_mode}"] = preset("autoregressive", max_new_tokens=new_tokens,
                                                         attention=AttentionConfig("fused", "auto", step_mode))
-        for method in ("speculative", "streaming", "specextend"):
+        for method in (m.name for m in METHOD_TABLE if m.draft_model):
             for shape in ("chain", "tree"):
                 for verify in ("hybrid", "onecall", "masked", "auto"):
                     config = preset(method, max_new_tokens=new_tokens, draft=DraftConfig(shape=shape), retrieval=retrieval)

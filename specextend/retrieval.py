@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import RetrievalConfig, RetrievalSignal
+from .methods import DraftCache
 
 
 def chunk_spans(seq_len: int, chunk_size: int) -> list[tuple[int, int]]:
@@ -97,7 +98,7 @@ class DraftCachePolicy:
     `select(seq_len, token_scores)`: which committed positions [0, seq_len) the working cache holds.
     """
 
-    name = "full"
+    name = DraftCache.FULL
     prefill_window: int | None = None
     needs_scores = False
 
@@ -115,7 +116,7 @@ class StreamingPolicy(DraftCachePolicy):
     """StreamingLLM: a few sink tokens plus the most recent window, within the working-cache budget.
     Evicts a chunk at a time: rebuilt once the working cache exceeds the budget by a chunk."""
 
-    name = "streaming"
+    name = DraftCache.STREAMING
 
     def __init__(self, config: RetrievalConfig) -> None:
         self.budget = config.working_cache
@@ -137,7 +138,7 @@ class StreamingPolicy(DraftCachePolicy):
 class CMRPolicy(DraftCachePolicy):
     """Cross-model Retrieval: every `retrieve_every` steps keep the top-k chunks by the retrieval signal's scores."""
 
-    name = "cmr"
+    name = DraftCache.CMR
     needs_scores = True
 
     def __init__(self, config: RetrievalConfig) -> None:
@@ -188,11 +189,14 @@ class AdaptiveCMRPolicy(CMRPolicy):
         return False
 
 
-def make_policy(name: str, config: RetrievalConfig) -> DraftCachePolicy:
-    if name == "full":
+def make_policy(name: DraftCache | str, config: RetrievalConfig) -> DraftCachePolicy:
+    """The policy of a draft cache (a DraftCache or its name)."""
+    try:
+        kind = DraftCache(name)
+    except ValueError:
+        raise ValueError(f"unknown draft-cache policy {name!r}") from None
+    if kind is DraftCache.FULL:
         return DraftCachePolicy()
-    if name == "streaming":
+    if kind is DraftCache.STREAMING:
         return StreamingPolicy(config)
-    if name == "cmr":
-        return AdaptiveCMRPolicy(config) if config.trigger == "adaptive" else CMRPolicy(config)
-    raise ValueError(f"unknown draft-cache policy {name!r}")
+    return AdaptiveCMRPolicy(config) if config.trigger == "adaptive" else CMRPolicy(config)

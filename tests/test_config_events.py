@@ -266,3 +266,18 @@ def test_summarize_autoregressive_and_empty_traces():
     assert (empty.new_tokens, empty.steps, empty.decode_tokens_per_s, empty.e2e_tokens_per_s) == (0, 0, 0.0, 0.0)
     assert empty.stop_reason == "running" and empty.acceptance_by_position == ()
     assert not any(math.isnan(v) for v in (empty.mean_accepted, empty.cmr_overhead_share))
+
+
+def test_one_table_of_methods_drives_the_config_the_figures_and_the_app():
+    from app.ui import METHOD_CHOICES
+    from specextend.methods import METHOD_TABLE, DraftCache
+    from visualizers.common import color, label
+
+    for m in METHOD_TABLE:
+        config = preset(m.name)
+        assert config.uses_draft == m.draft_model and (config.draft_cache if m.draft_model else None) == m.cache
+        assert (config.attention.steps == "auto") == m.fast and (label(m.name), color(m.name)) == (m.label, m.colour)
+    assert preset("speculative", cmr=True).draft_cache is DraftCache.CMR  # the CMR ablation of the full cache
+    assert preset("specextend", cmr=False).draft_cache is DraftCache.FULL
+    assert [name for _, name in METHOD_CHOICES] == [m.name for m in reversed(METHOD_TABLE)]
+    assert len({m.colour for m in METHOD_TABLE}) == len(METHOD_TABLE)  # each method its own colour

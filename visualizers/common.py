@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Sequence, TypeVar
 import plotly.graph_objects as go
 
 from specextend.events import Drafted, Event, Finished, Prefilled, Started, Verified
+from specextend.methods import METHOD_TABLE
 
 Decode = Callable[[Sequence[int]], str]  # token ids -> text
 Spec = dict[str, Any]
@@ -27,22 +28,9 @@ STATUS_COLORS = {
     "bonus": "#e9c46a",  # the target's own token ending a step
     "target": "#8d99ae",  # token from the target alone (prefill, autoregressive)
 }
-METHOD_COLORS = {
-    "specextend": "#2a6fdb",
-    "speculative": "#e76f51",
-    "autoregressive": "#6c757d",
-    "streaming": "#9b5de5",
-    "lookup": "#b5179e",
-    "specextend_paper": "#8ecae6",
-}
-METHOD_LABELS = {
-    "specextend": "SpecExtend",
-    "speculative": "speculative (full draft cache)",
-    "autoregressive": "target alone",
-    "streaming": "StreamingLLM draft cache",
-    "lookup": "lookup drafting alone",
-    "specextend_paper": "SpecExtend, the paper's retrieval signal",
-}
+# each run's colour and label: the methods' own (specextend.methods), and the needle tab's second CMR run
+RUN_STYLES = {m.name: (m.colour, m.label, m.short) for m in METHOD_TABLE} | {
+    "specextend_paper": ("#8ecae6", "SpecExtend, the paper's retrieval signal", "SpecExtend (paper's signal)")}
 FONT = {"family": "Inter, system-ui, sans-serif", "size": 12, "color": "#1f2933"}
 
 
@@ -113,11 +101,11 @@ def guessed(drafted: Drafted | None, verified: Verified) -> tuple[int, ...]:
 
 
 def label(method: str) -> str:
-    return METHOD_LABELS.get(method, method)
+    return RUN_STYLES[method][1] if method in RUN_STYLES else method
 
 
 def short_label(method: str) -> str:
-    return {"specextend": "SpecExtend", "autoregressive": "target alone"}.get(method, method)
+    return RUN_STYLES[method][2] if method in RUN_STYLES else method
 
 
 def with_lookup(events: Sequence[Event], name: str) -> str:
@@ -138,7 +126,7 @@ def ending(events: Sequence[Event]) -> str:
 
 
 def color(method: str) -> str:
-    return METHOD_COLORS.get(method, "#444444")
+    return RUN_STYLES[method][0] if method in RUN_STYLES else "#444444"
 
 
 @lru_cache(maxsize=8192)
