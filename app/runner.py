@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Sequence
 
 from specextend.config import DraftConfig, GenerationConfig, LookupConfig, RetrievalConfig, preset
 from specextend.events import Event, Finished, Prefilled, Prefilling, Started, Verified
-from specextend.prompting import Prompt
+from specextend.tools.prompting import Prompt
 from visualizers.common import label
 
 from .backend import Codec

@@ -20,7 +20,7 @@ from gradio.components.plot import PlotData
 
 from specextend.config import GenerationConfig, preset
 from specextend.methods import METHOD_TABLE
-from specextend.prompting import Prompt
+from specextend.tools.prompting import Prompt
 from visualizers import heads_spec, needle_spec, retrieval_spec, signal_html
 from visualizers.common import ending, label
 from visualizers.steps import last_step, step_html
@@ -431,7 +431,7 @@ class Studio:
                max_new: float, pair_key: str) -> Iterator[tuple]:
         state.stop()
         try:
-            from specextend import needle
+            from specextend.tools import needle
 
             choice = self.settings.pair(pair_key)
             text = documents.check_text(documents.sample_text(haystack)[: int(length)] if haystack else "",

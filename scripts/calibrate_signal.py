@@ -29,11 +29,12 @@ from pathlib import Path
 
 import torch
 
-from specextend import bundled, signal
-from specextend.bench import cut_text
+from specextend import signal
+from specextend.tools import bundled
+from specextend.tools.bench import cut_text
 from specextend.config import RetrievalConfig, RetrievalSignal
 from specextend.models import load_pair
-from specextend.probe import ALL_HEADS, holds, needle_prompt, read
+from specextend.tools.probe import ALL_HEADS, holds, needle_prompt, read
 from specextend.retrieval import StreamingPolicy, chunk_scores, select_chunks, spread_scores
 
 ROWS = (1, 8, 16, 32, 64)

@@ -39,7 +39,7 @@ import torch
 import pd_corpus
 
 sys.path.insert(0, str(pd_corpus.REPO_ROOT))
-from specextend import bundled  # noqa: E402
+from specextend.tools import bundled  # noqa: E402
 from specextend.models import load_model, read_output_vocab  # noqa: E402
 
 CACHE = pd_corpus.CACHE / "eval"

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from specextend import bundled
-from specextend.bench import make_prompt
-from specextend.prompting import DEFAULT_INSTRUCTION, stop_ids
+from specextend.tools import bundled
+from specextend.tools.bench import make_prompt
+from specextend.tools.prompting import DEFAULT_INSTRUCTION, stop_ids
 from specextend.config import LookupConfig, preset
 from specextend.engine import generate
 from specextend.lookup import replay

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from specextend import bundled
-from specextend.bench import make_inputs, make_prompt, run_engine
-from specextend.prompting import DEFAULT_INSTRUCTION, stop_ids
+from specextend.tools import bundled
+from specextend.tools.bench import make_inputs, make_prompt, run_engine
+from specextend.tools.prompting import DEFAULT_INSTRUCTION, stop_ids
 from specextend.config import LookupConfig, preset
 from specextend.models import load_pair
 

@@ -196,7 +196,7 @@ def load_teacher(seed: int):
     sys.path.insert(0, str(REPO_ROOT))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specextend import bundled
+    from specextend.tools import bundled
 
     tdir = bundled.target_dir()
     tokenizer = AutoTokenizer.from_pretrained(tdir)

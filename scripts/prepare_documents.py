@@ -16,7 +16,7 @@ import sys
 import pd_corpus
 
 sys.path.insert(0, str(pd_corpus.REPO_ROOT))
-from specextend import bundled  # noqa: E402
+from specextend.tools import bundled  # noqa: E402
 
 OUT = pd_corpus.REPO_ROOT / "assets" / "documents"
 MAX_TOKENS = 7600

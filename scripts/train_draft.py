@@ -56,7 +56,7 @@ import torch.nn.functional as F
 import pd_corpus
 
 sys.path.insert(0, str(pd_corpus.REPO_ROOT))
-from specextend import bundled  # noqa: E402
+from specextend.tools import bundled  # noqa: E402
 from specextend.models import DRAFT_VOCAB_FILE, SHARED_EMBEDDING, cuts_from_target, read_output_vocab, share_embedding  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

@@ -370,7 +370,7 @@ def test_a_run_stopped_during_prefill_still_draws():
 
 
 def test_codec_tokenizes_with_the_chat_template_and_finds_the_document_and_the_needle():
-    from specextend.bundled import draft_dir
+    from specextend.tools.bundled import draft_dir
 
     from app.backend import Codec
 
@@ -430,7 +430,7 @@ def test_the_app_stops_where_the_cli_stops():
     from types import SimpleNamespace
 
     from app.backend import Codec
-    from specextend.prompting import stop_ids
+    from specextend.tools.prompting import stop_ids
 
     tokenizer = SimpleNamespace(eos_token_id=2)
     model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 9]), config=SimpleNamespace(eos_token_id=2))

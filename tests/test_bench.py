@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from specextend import bench
+from specextend.tools import bench
 from specextend.engine import generate
 from specextend.events import Finished
 

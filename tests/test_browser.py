@@ -33,7 +33,7 @@ def bundled_pair_missing() -> str:
     """Why the bundled pair cannot run here ('' when it can)."""
     try:
         import specextend.engine  # noqa: F401
-        from specextend.bundled import draft_dir
+        from specextend.tools.bundled import draft_dir
     except ImportError as exc:
         return f"engine not importable ({exc})"
     try:

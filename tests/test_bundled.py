@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from specextend import bundled, needle
+from specextend.tools import bundled, needle
 from specextend.models import load_model, read_output_vocab
 
 # ---------------------------------------------------------------- needle (pure text)

@@ -10,8 +10,8 @@ from transformers import AutoTokenizer
 
 from conftest import save_tiny_pair
 from specextend.config import GPU_DRAFT, AttentionConfig, DraftConfig
-from specextend import bundled
-from specextend.cli import build_parser, config_from, main
+from specextend.tools import bundled
+from specextend.tools.cli import build_parser, config_from, main
 
 
 def args(*extra):

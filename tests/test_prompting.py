@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from conftest import save_tiny_pair
-from specextend import bundled, prompting
+from specextend.tools import bundled, prompting
 
 WORDS = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(60)] + ["Summarize", "it", "."]
 LLAMA3_STYLE = ("{{ bos_token }}{% for m in messages %}<|start|>{{ m['role'] }}<|end|>{{ m['content'] }}<|eot|>"
@@ -100,7 +100,7 @@ def pair_dirs(request, tmp_path_factory):
 def test_cli_benchmark_and_app_give_the_same_prompt_and_stop_ids(pair_dirs, tmp_path):
     from app.backend import real_factory
     from app.settings import PairChoice
-    from specextend import bench, cli
+    from specextend.tools import bench, cli
 
     target, draft = map(str, pair_dirs)
     text = "The river rose in the night.\nBy morning the valley was a lake, and the mill had gone. " * 12

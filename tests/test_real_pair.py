@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from conftest import reference_greedy
-from specextend import bundled, prompting
+from specextend.tools import bundled, prompting
 from specextend.config import DraftConfig, RetrievalConfig, preset
 from specextend.engine import generate
 from specextend.models import load_pair

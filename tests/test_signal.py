@@ -139,7 +139,7 @@ def test_target_without_a_signal_keeps_no_queries():
 
 def test_layer_head_picture_is_each_heads_share_on_the_span():
     from specextend.models import make_pair
-    from specextend.probe import ALL_HEADS, head_map, holds, map_heads, read
+    from specextend.tools.probe import ALL_HEADS, head_map, holds, map_heads, read
 
     pair = make_pair(tiny("llama", layers=3, seed=5), None)
     prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(2)).tolist()
@@ -155,7 +155,7 @@ def test_layer_head_picture_is_each_heads_share_on_the_span():
 
 def test_one_prefill_scores_several_signals_as_the_engine_would():
     from specextend.models import make_pair
-    from specextend.probe import read, read_signals
+    from specextend.tools.probe import read, read_signals
 
     pair = make_pair(tiny("llama", layers=3, seed=5), None)
     prompt = torch.randint(0, VOCAB, (50,), generator=torch.Generator().manual_seed(4)).tolist()

@@ -16,7 +16,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import tiny
-from specextend import gpu_check, steps
+from specextend import steps
+from specextend.tools import gpu_check
 from specextend.models import prepare
 from specextend.steps import BUCKET, capacity_for, make_runner, release, resolve_mode, sizes_up_to, splits_for
 

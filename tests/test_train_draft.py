@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specextend import bundled
+from specextend.tools import bundled
 
 sys.path.insert(0, str(bundled.REPO_ROOT / "scripts"))
 import train_draft  # noqa: E402

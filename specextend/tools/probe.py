@@ -15,10 +15,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import needle, prompting
-from .config import GenerationConfig, RetrievalSignal
-from .engine import Target
-from .models import ModelPair
-from .signal import combine, span_mass
+from ..config import GenerationConfig, RetrievalSignal
+from ..engine import Target
+from ..models import ModelPair
+from ..signal import combine, span_mass
 
 NEEDLE_HINT = "Answer with the value only."
 ALL_HEADS = RetrievalSignal("every head", layers=(), rows=64)  # what the layer x head picture reads

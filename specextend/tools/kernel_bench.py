@@ -1,4 +1,4 @@
-"""Kernel and device benchmark: `python -m specextend.kernel_bench [--shape 7b] [--device cuda]`.
+"""Kernel and device benchmark: `python -m specextend.tools.kernel_bench [--shape 7b] [--device cuda]`.
 
 Times Hybrid Tree Attention against masked tree attention (transformers' SDPA path with a full boolean
 mask and repeated KV heads) and fused against eager prefill at long contexts, checks both against an fp32
@@ -20,14 +20,14 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .attention import full_tree_mask, hybrid_tree_attention, math_attention, prefill_attention
-from .config import AttentionConfig, DraftConfig, LookupConfig, RetrievalConfig, RetrievalSignal, preset
-from .drafting import tree_mask
-from .engine import generate
-from .methods import METHOD_TABLE
-from .metrics import summarize
-from .models import make_pair
-from .signal import PAPER, UNCALIBRATED
+from ..attention import full_tree_mask, hybrid_tree_attention, math_attention, prefill_attention
+from ..config import AttentionConfig, DraftConfig, LookupConfig, RetrievalConfig, RetrievalSignal, preset
+from ..drafting import tree_mask
+from ..engine import generate
+from ..methods import METHOD_TABLE
+from ..metrics import summarize
+from ..models import make_pair
+from ..signal import PAPER, UNCALIBRATED
 
 SHAPES = {  # target, draft: (layers, hidden, heads, kv_heads, intermediate)
     "7b": ((32, 4096, 32, 8, 14336), (16, 2048, 32, 8, 8192)),
@@ -194,7 +194,7 @@ def bench_engine(device, dtype, shapes, prompt_len: int, new_tokens: int, repeat
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m specextend.kernel_bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m specextend.tools.kernel_bench", description=__doc__)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--shape", choices=sorted(SHAPES), default="7b" if torch.cuda.is_available() else "tiny")

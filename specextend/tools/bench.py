@@ -1,4 +1,4 @@
-"""Benchmark: `python -m specextend.bench [--quick] [--out results/]`.
+"""Benchmark: `python -m specextend.tools.bench [--quick] [--out results/]`.
 
 Measures the engine against its baselines on the bundled pair (or, with --quick, a check of the whole
 pipeline in seconds: a tiny random-init target with a copy of itself as the draft, the bundled draft's
@@ -39,17 +39,17 @@ import torch
 
 from . import bundled, prompting
 from .cli import add_lookup_arguments, add_signal_arguments, lookup_from, signal_from
-from .config import AttentionConfig, DraftConfig, GenerationConfig, LookupConfig, RetrievalConfig, preset
-from .drafting import DraftTree, ModelDrafter
-from .engine import Target, generate
-from .events import Finished
+from ..config import AttentionConfig, DraftConfig, GenerationConfig, LookupConfig, RetrievalConfig, preset
+from ..drafting import DraftTree, ModelDrafter
+from ..engine import Target, generate
+from ..events import Finished
 from .kernel_bench import llama
-from .methods import DraftCache
-from .metrics import PHASES, summarize
-from .models import ModelPair, load_pair, make_pair
+from ..methods import DraftCache
+from ..metrics import PHASES, summarize
+from ..models import ModelPair, load_pair, make_pair
 from .probe import holds, needle_prompt, read_signals
-from .retrieval import make_policy
-from .signal import resolve
+from ..retrieval import make_policy
+from ..signal import resolve
 
 ASSISTED = "hf_assisted"  # transformers' generate(..., assistant_model=draft): the outside reference
 PROMPT_LOOKUP = "hf_prompt_lookup"  # transformers' generate(..., prompt_lookup_num_tokens=10): lookup's peer
@@ -714,7 +714,7 @@ def run(args, progress) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m specextend.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m specextend.tools.bench", description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="tiny random-init models, short inputs, few needles: a check of the whole pipeline in seconds "

@@ -29,7 +29,7 @@ from typing import Callable, Literal
 
 Progress = Callable[[str], None]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 ASSETS = REPO_ROOT / "assets"
 DOCUMENTS_DIR = ASSETS / "documents"
 MANIFEST = DOCUMENTS_DIR / "manifest.json"

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from . import prompting
-from .config import (METHODS, SIGNAL_NAMES, AttentionConfig, DraftConfig, LookupConfig, RetrievalConfig, RetrievalSignal,
+from ..config import (METHODS, SIGNAL_NAMES, AttentionConfig, DraftConfig, LookupConfig, RetrievalConfig, RetrievalSignal,
                      draft_defaults, preset)
 
 
@@ -161,10 +161,10 @@ def generate_command(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from . import bundled
-    from .engine import generate
-    from .events import Finished, save_trace
-    from .metrics import summarize
-    from .models import load_pair
+    from ..engine import generate
+    from ..events import Finished, save_trace
+    from ..metrics import summarize
+    from ..models import load_pair
 
     text = Path(args.input).read_text(encoding="utf-8")
     if not text.strip():

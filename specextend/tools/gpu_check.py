@@ -1,4 +1,4 @@
-"""GPU check: `python -m specextend.gpu_check [--quick] [--out DIR]`, one prepared run on one GPU (~5 minutes).
+"""GPU check: `python -m specextend.tools.gpu_check [--quick] [--out DIR]`, one prepared run on one GPU (~5 minutes).
 
 Random-init weights in the shapes of a Llama-2-7B-like target with 8 KV heads, a 68M-like draft (2 layers,
 768 wide) and a 1B-like draft (16 layers, 2048 wide), bf16. Acceptance means nothing with random weights;
@@ -27,16 +27,16 @@ from pathlib import Path
 import torch
 from transformers.models.llama import modeling_llama
 
-from .attention import (AttentionPlan, KeySplits, full_tree_mask, hybrid_tree_attention, math_attention,
+from ..attention import (AttentionPlan, KeySplits, full_tree_mask, hybrid_tree_attention, math_attention,
                         onecall_tree_attention, prefill_attention, split_attention)
-from .cache import KVCache
-from .config import AttentionConfig, DraftConfig, RetrievalConfig, preset
-from .drafting import tree_mask
-from .engine import generate, prefill_block
+from ..cache import KVCache
+from ..config import AttentionConfig, DraftConfig, RetrievalConfig, preset
+from ..drafting import tree_mask
+from ..engine import generate, prefill_block
 from .kernel_bench import check_lossless, llama, random_tree, timed
-from .metrics import summarize
-from .models import FusedRMSNorm, check_transformers, forward, make_pair, prepare
-from .steps import StepRunner, capacity_for, sizes_up_to
+from ..metrics import summarize
+from ..models import FusedRMSNorm, check_transformers, forward, make_pair, prepare
+from ..steps import StepRunner, capacity_for, sizes_up_to
 
 SHAPES = {  # (layers, hidden, heads, kv_heads, intermediate)
     "full": {"target": (32, 4096, 32, 8, 11008), "draft 68M": (2, 768, 12, 12, 3072), "draft 1B": (16, 2048, 32, 8, 8192)},
@@ -332,7 +332,7 @@ def markdown(report: dict, fast: str) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m specextend.gpu_check", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m specextend.tools.gpu_check", description=__doc__)
     p.add_argument("--quick", action="store_true", help="tiny shapes on any device, in seconds")
     p.add_argument("--out", default="results/gpu_check")
     p.add_argument("--lengths", default=None, help="comma list (default 4096,16384,32768; quick 64,256,512)")
