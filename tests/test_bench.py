@@ -96,7 +96,7 @@ def test_planted_greedy_mismatch_stops_the_run(tmp_path, monkeypatch, capsys):
                 event = dataclasses.replace(event, token_ids=event.token_ids[:2] + (event.token_ids[2] + 1,))
             yield event
 
-    monkeypatch.setattr(bench, "generate", corrupted)
+    monkeypatch.setattr(bench.runs, "generate", corrupted)  # where the benchmark looks it up
     rc = bench.main(["--quick", "--out", str(tmp_path), "--methods", "autoregressive,streaming", "--skip", "sweep,needle"])
     err = capsys.readouterr().err
     assert rc == 3

@@ -1,0 +1,214 @@
+"""The benchmark's run: load the pair, run the grid, the sweep and the needle section, write the report."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import sys
+import time
+import torch
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from .. import bundled, prompting
+from ...config import DraftConfig, RetrievalConfig
+from ...models import ModelPair, load_pair, make_pair
+from ..cli import add_lookup_arguments, add_signal_arguments, lookup_from, signal_from
+from ..kernel_bench import llama
+from .inputs import GreedyMismatch, METHODS, QUICK, QUICK_SHAPE, aliases, cut_text, make_inputs, method_configs
+from .report import table, write_outputs
+from .runs import cells, check_same, goals, run_engine, run_method
+from .sections import needle_case, needle_signals, needle_summary, needle_texts, sweep_configs, sweep_row
+
+
+# ---------------------------------------------------------------- the run
+
+
+def load(args) -> tuple[ModelPair, object, tuple[int, ...]]:
+    """(pair, tokenizer, stop ids): tiny random-init models with the bundled draft's tokenizer (--quick), or real
+    models."""
+    from transformers import AutoTokenizer
+
+    if args.quick:  # the draft is a copy of the target, so drafts are accepted and every path runs
+        tokenizer = AutoTokenizer.from_pretrained(bundled.draft_dir())
+        target = llama(QUICK_SHAPE, len(tokenizer), torch.float32, "cpu", seed=1, max_positions=4096)
+        pair = make_pair(target, copy.deepcopy(target))
+    else:
+        target, draft = bundled.pair_or_default(args.target, args.draft)
+        pair = load_pair(target, draft, args.device, args.dtype)
+        tokenizer = AutoTokenizer.from_pretrained(str(target))
+    return pair, tokenizer, prompting.stop_ids(tokenizer, pair.target)
+
+
+def machine(pair: ModelPair) -> dict:
+    import transformers
+
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "device": str(pair.device),
+            "gpu": torch.cuda.get_device_name(pair.device) if pair.device.type == "cuda" else None,
+            "dtype": str(pair.dtype).replace("torch.", ""), "backend": pair.backend,
+            "load_average_start": os.getloadavg() if hasattr(os, "getloadavg") else None}
+
+
+def run(args, progress) -> dict:
+    pair, tokenizer, eos = load(args)
+    retrieval = replace(QUICK["retrieval"] if args.quick else RetrievalConfig(), signal=signal_from(args))
+    draft = DraftConfig(shape=args.draft_shape, k=args.k)
+    base = dict(max_new_tokens=args.max_new_tokens, eos_token_ids=eos, draft=draft, retrieval=retrieval)
+    configs = method_configs(base, args.prefill, lookup_from(args, None))
+    names = [m for m in METHODS if m in args.methods]
+    same_as = {k: v for k, v in aliases(configs).items() if k in names and v in names}
+    measured = [m for m in names if m not in same_as]
+    limit = pair.max_positions - args.max_new_tokens
+    lengths = [min(int(x), limit) for x in args.lengths.split(",")]
+    inputs = make_inputs(tokenizer, lengths, args.docs, args.instruction) if "grid" not in args.skip else []
+    sweeps = sweep_configs(retrieval) if "sweep" not in args.skip and inputs else {}
+    n_needles = args.needles if "needle" not in args.skip else 0
+    report = {"machine": machine(pair), "args": {k: sorted(v) if isinstance(v, set) else v for k, v in vars(args).items()},
+              "methods": names, "retrieval": asdict(retrieval), "draft": asdict(draft)}
+    bar = progress(total=(len(measured) * (1 + len(inputs) * args.repeats) if inputs else 0) + len(sweeps) * args.repeats
+                   + n_needles)
+
+    runs, references = [], {}
+    for name in measured if inputs else ():  # warm-up: every method once on a short input
+        bar.set_description(f"warm-up {name}")
+        short = inputs[0]["prompt"][:128] + inputs[0]["prompt"][-128:]  # its start and its end (the instruction)
+        run_method(pair, short, name, configs[name] and configs[name].replace(max_new_tokens=8), 8, eos)
+        bar.update()
+    for item in inputs:
+        where = f"{item['document']} at {len(item['prompt'])} tokens"
+        for repeat in range(args.repeats):
+            shift = repeat % len(measured)  # alternate the order of methods between repeats
+            for name in measured[shift:] + measured[:shift]:
+                bar.set_description(f"{len(item['prompt'])} tok {item['document'][:16]} {name}")
+                result = run_method(pair, item["prompt"], name, configs[name], args.max_new_tokens, eos)
+                key = (item["document"], item["length"])
+                if key in references:
+                    check_same(references[key], name, result["token_ids"], where)
+                else:
+                    references[key] = (name, result["token_ids"])
+                runs.append({"method": name, "document": item["document"], "length": item["length"], "repeat": repeat,
+                             "prompt_tokens": len(item["prompt"]), **result})
+                bar.update()
+    report["cells"] = cells(runs, names, same_as)
+    report["goals"] = goals(report["cells"])
+    report["runs"] = runs
+
+    if sweeps:  # retrieval parameters: SpecExtend on the longest first input (its default row comes from the grid)
+        item = max(inputs, key=lambda i: i["length"])
+        key = (item["document"], item["length"])
+        report["sweep_input"] = f"{item['document']}, {len(item['prompt'])} tokens"
+        default = [r for r in runs if r["method"] == "specextend" and (r["document"], r["length"]) == key]
+        label = f"default (chunk {retrieval.chunk_size}, top-k {retrieval.top_k}, every {retrieval.retrieve_every})"
+        sweep = [sweep_row(label, retrieval, default)]
+        for setting, config in sweeps.items():
+            results = []
+            for _ in range(args.repeats):
+                bar.set_description(f"sweep {setting[:30]}")
+                results.append(run_engine(pair, item["prompt"], configs["specextend"].replace(retrieval=config)))
+                check_same(references[key], f"specextend ({setting})", results[-1]["token_ids"], report["sweep_input"])
+                bar.update()
+            sweep.append(sweep_row(setting, config, results))
+        report["sweep"] = [s for s in sweep if s["decode_tokens_per_s"]]
+
+    if n_needles:  # does each working cache hold a planted needle, and can the draft alone answer from it
+        depths = [float(x) for x in args.needle_depths.split(",")]
+        texts = needle_texts(args.needle_docs)
+        texts = {name: cut_text(tokenizer, text, args.needle_tokens - 48) for name, text in texts.items()}
+        signals = needle_signals(pair, retrieval)
+        cases = []
+        for i in range(n_needles):
+            name = list(texts)[(i // len(depths)) % len(texts)]
+            bar.set_description(f"needle {i + 1}/{n_needles}")
+            cases.append({"document": name, **needle_case(pair, tokenizer, signals, texts[name], depths[i % len(depths)],
+                                                          i, args.needle_answer_tokens)})
+            bar.update()
+        report["needle"] = {"haystack_tokens": args.needle_tokens, "answer_tokens": args.needle_answer_tokens,
+                            "documents": list(texts), "summary": needle_summary(cases, signals), "cases": cases}
+    bar.close()
+    report["machine"]["load_average_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return report
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m specextend.tools.bench", description=sys.modules[__package__].__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="tiny random-init models, short inputs, few needles: a check of the whole pipeline in seconds "
+                        "(overrides the size arguments below)")
+    p.add_argument("--out", default="results", help="results folder")
+    p.add_argument("--target", help="target model (default: bundled)")
+    p.add_argument("--draft", help="draft model (default: bundled)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma list, from: " + ", ".join(METHODS))
+    p.add_argument("--lengths", default="1024,2048,4096,7168", help="input lengths in target tokens")
+    p.add_argument("--docs", type=int, default=3, help="eval documents per length")
+    p.add_argument("--repeats", type=int, default=2, help="runs of every method on every input")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--instruction", default=prompting.DEFAULT_INSTRUCTION)
+    p.add_argument("--prefill", choices=("fused", "eager"), default="fused",
+                   help="the baselines' prefill kernel: fused (SDPA, transformers' default) or eager (the paper's)")
+    p.add_argument("--draft-shape", choices=("chain", "tree"), default=DraftConfig().shape)
+    p.add_argument("--k", type=int, default=DraftConfig().k, help="chain: draft tokens per step")
+    add_lookup_arguments(p)
+    add_signal_arguments(p)
+    p.add_argument("--needles", type=int, default=50, help="needle questions (depths cycle, documents rotate)")
+    p.add_argument("--needle-tokens", type=int, default=4096, help="haystack length in target tokens")
+    p.add_argument("--needle-depths", default="0.1,0.3,0.5,0.7,0.9")
+    p.add_argument("--needle-answer-tokens", type=int, default=16, help="greedy tokens each reader answers with")
+    p.add_argument("--needle-docs", nargs="+", default=None, metavar="FILE",
+                   help="UTF-8 text files to plant needles in instead of the bundled documents ('bundled' adds those)")
+    p.add_argument("--skip", default="", help="comma list of sections to skip: grid, sweep, needle")
+    return p
+
+
+def parse(argv=None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        for key, value in QUICK.items():
+            if key != "retrieval":
+                setattr(args, key, value)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = set(args.methods) - set(METHODS)
+    if unknown:
+        raise ValueError(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
+    args.skip = set(filter(None, args.skip.split(",")))
+    if args.repeats < 1 or args.docs < 1 or args.needles < 0:
+        raise ValueError("--repeats and --docs must be at least 1, --needles at least 0")
+    return args
+
+
+def main(argv=None) -> int:
+    from tqdm import tqdm
+    from transformers.utils import logging as hf_logging
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # transformers' generation-flag warnings would bury the table
+    try:
+        args = parse(argv)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        start = time.perf_counter()
+        report = run(args, lambda total: tqdm(total=total, file=sys.stderr, dynamic_ncols=True))
+        report["wall_s"] = time.perf_counter() - start
+        write_outputs(report, Path(args.out))
+    except GreedyMismatch as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 3
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    print(table(report))
+    print(json.dumps({k: v for k, v in report.items() if k != "runs" and k != "needle"}
+                     | {"needle": report.get("needle") and report["needle"]["summary"], "out": str(args.out)}))
+    return 0
+

@@ -1,0 +1,162 @@
+"""The benchmark's report as files: JSON, CSV, Markdown tables, the figures (drawn by visualizers.bench) as HTML
+and PNG, and the console table."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+from pathlib import Path
+from visualizers.bench import figures
+
+from ...metrics import PHASES
+from .inputs import ASSISTED, PROMPT_LOOKUP
+
+
+# ---------------------------------------------------------------- output
+
+
+def flat(row: dict, prefix: str = "") -> dict:
+    """A row with nested spreads, dicts and lists flattened for CSV."""
+    out = {}
+    for key, value in row.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flat(value, f"{name}_"))
+        elif isinstance(value, list):
+            out[name] = ";".join(f"{v:.4g}" for v in value)
+        else:
+            out[name] = value
+    return out
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    rows = [flat(r) for r in rows]
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+
+def write_outputs(report: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(report["cells"], out / "bench.csv")
+    if report.get("sweep"):
+        write_csv(report["sweep"], out / "sweep.csv")
+    (out / "bench.md").write_text(markdown(report))
+    files = ["bench.json", "bench.csv", "bench.md"] + (["sweep.csv"] if report.get("sweep") else [])
+    figs = figures(report)
+    for stem, fig in figs.items():
+        fig.write_html(out / f"{stem}.html", include_plotlyjs="cdn")
+        files.append(f"{stem}.html")
+    report["png"] = write_pngs(figs, out)
+    if report["png"] == "written":
+        files += [f"{stem}.png" for stem in figs]
+    report["files"] = files
+    (out / "bench.json").write_text(json.dumps(report, indent=1))
+
+
+def write_pngs(figs: dict, out: Path) -> str:
+    """PNG copies of the figures through kaleido, which drives a local Chrome or Chromium; says what happened."""
+    if importlib.util.find_spec("kaleido") is None:
+        return "skipped: kaleido is not installed (pip install -r requirements-dev.txt to get PNG figures)"
+    import plotly.io as pio
+    from choreographer.errors import BrowserFailedError, ChromeNotFoundError
+
+    try:
+        pio.write_images(list(figs.values()), [out / f"{stem}.png" for stem in figs], width=1100, height=550)
+    except (ChromeNotFoundError, BrowserFailedError) as err:
+        return f"skipped: kaleido found no working Chrome or Chromium ({err})"
+    return "written"
+
+
+def fmt(s: dict | None, places: int = 1) -> str:
+    """A spread as 'median [min-max]'."""
+    return "-" if not s else f"{s['median']:.{places}f} [{s['min']:.{places}f}-{s['max']:.{places}f}]"
+
+
+def ratio(s: dict | None) -> str:
+    return "-" if not s else f"{s['median']:.2f}x"
+
+
+def by_source(split: dict | None) -> str:
+    """Tokens per step by who proposed them, as 'draft / lookup / both / target'."""
+    return "-" if not split else " / ".join(f"{v:.2f}" for v in split.values())
+
+
+def markdown(report: dict) -> str:
+    """The report as Markdown tables: the grid per input length, the goals, the needle and sweep sections."""
+    lines = []
+    for length in sorted({r["length"] for r in report["cells"]}):
+        mine = [r for r in report["cells"] if r["length"] == length]
+        lines += [f"**~{length} input tokens** (median [min-max] over {mine[0]['decode_tokens_per_s']['n']} runs; "
+                  f"phase seconds are medians)", "",
+                  "| method | decode tok/s | e2e tok/s | x AR | x speculative | x hf_assisted | x hf_prompt_lookup | "
+                  "mean accepted | per step: draft / lookup / both / target | "
+                  + " | ".join(f"{p} s" for p in PHASES) + " | CMR share |",
+                  "|---" * (10 + len(PHASES)) + "|"]
+        for r in mine:
+            name = r["method"] + (f" (= {r['same_as']})" if r["same_as"] else "")
+            phases = [f"{r['phase_seconds'][p]:.2f}" if r["phase_seconds"] else "-" for p in PHASES]
+            share = r["cmr_overhead_share"]
+            lines.append(f"| {name} | {fmt(r['decode_tokens_per_s'])} | {fmt(r['e2e_tokens_per_s'])} | "
+                         f"{ratio(r['decode_speedup_vs_autoregressive'])} | {ratio(r['decode_speedup_vs_speculative'])} | "
+                         f"{ratio(r[f'decode_speedup_vs_{ASSISTED}'])} | {ratio(r[f'decode_speedup_vs_{PROMPT_LOOKUP}'])} | "
+                         f"{fmt(r['mean_accepted'], 2)} | {by_source(r['tokens_per_step_by_source'])} | "
+                         + " | ".join(phases) + f" | {'-' if not share else format(share['median'], '.1%')} |")
+        lines.append("")
+    if report["goals"]:
+        lines += ["| goal | target | measured | met |", "|---|---|---|---|"]
+    for g in report["goals"]:
+        target = f"<= {g['target']:.0%}" if "overhead" in g["goal"] else f">= {g['target']}"
+        value = "-" if g["value"] is None else (f"{g['value']:.1%}" if "overhead" in g["goal"] else f"{g['value']:.2f}")
+        lines.append(f"| {g['goal']} | {target} | {value} | {'yes' if g['met'] else 'no'} |")
+    if report.get("needle"):
+        summary = report["needle"]["summary"]
+        depths = list(summary["by_depth"])
+        names = summary["signals"]
+        lines += ["", f"**Needle retrieval**: {summary['needles']} needles in ~{report['needle']['haystack_tokens']}-token "
+                  "haystacks from " + ", ".join(report["needle"]["documents"]) + ". Hold: the whole needle in the working "
+                  "cache after the first retrieval; answer: the draft alone's answer holds the planted value", "",
+                  "| | all | " + " | ".join(f"depth {d}" for d in depths) + " |", "|---" * (2 + len(depths)) + "|"]
+        for key, verb in (("hold_rate", "hold"), ("accuracy", "answer")):
+            for reader, value in summary[key].items():
+                label = {"target": "the target (ceiling)", "full": "full cache", "streaming": "StreamingLLM"}.get(
+                    reader, f"CMR, {reader} signal" + (f" ({names[reader]})" if names.get(reader, reader) != reader else ""))
+                lines.append(f"| {verb}: {label} | {value:.0%} | "
+                             + " | ".join(f"{summary['by_depth'][d][key][reader]:.0%}" for d in depths) + " |")
+    if report.get("sweep"):
+        lines += ["", f"**Retrieval settings**: specextend on {report['sweep_input']}", "",
+                  "| setting | decode tok/s | e2e tok/s | mean accepted | CMR share | retrievals |", "|---|---|---|---|---|---|"]
+        for s in report["sweep"]:
+            lines.append(f"| {s['setting']} | {fmt(s['decode_tokens_per_s'])} | {fmt(s['e2e_tokens_per_s'])} | "
+                         f"{fmt(s['mean_accepted'], 2)} | {s['cmr_overhead_share']['median']:.1%} | "
+                         f"{s['retrievals']['median']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def table(report: dict) -> str:
+    lines = [f"{'tokens':>6} {'method':<31} {'decode tok/s':>20} {'e2e tok/s':>18} {'xAR':>6} {'xspec':>6} "
+             f"{'xHF':>6} {'xHFPL':>6} {'accepted':>17} {'CMR share':>9}"]
+    for r in report["cells"]:
+        share = r["cmr_overhead_share"]
+        name = r["method"] + (f" (={r['same_as']})" if r["same_as"] else "")
+        lines.append(f"{r['prompt_tokens']:>6.0f} {name:<31} {fmt(r['decode_tokens_per_s']):>20} "
+                     f"{fmt(r['e2e_tokens_per_s']):>18} {ratio(r['decode_speedup_vs_autoregressive']):>6} "
+                     f"{ratio(r['decode_speedup_vs_speculative']):>6} {ratio(r[f'decode_speedup_vs_{ASSISTED}']):>6} "
+                     f"{ratio(r[f'decode_speedup_vs_{PROMPT_LOOKUP}']):>6} {fmt(r['mean_accepted'], 2):>17} "
+                     f"{'-' if not share else format(share['median'], '.1%'):>9}")
+    if report.get("needle"):
+        summary = report["needle"]["summary"]
+        lines.append(f"needle ({summary['needles']} needles, ~{report['needle']['haystack_tokens']} tokens): hold "
+                     + ", ".join(f"{k} {v:.0%}" for k, v in summary["hold_rate"].items()) + "; answers "
+                     + ", ".join(f"{k} {v:.0%}" for k, v in summary["accuracy"].items()))
+    for s in report.get("sweep") or []:
+        lines.append(f"sweep {s['setting']:<44} decode {fmt(s['decode_tokens_per_s'])} tok/s, "
+                     f"accepted {fmt(s['mean_accepted'], 2)}, CMR share {s['cmr_overhead_share']['median']:.1%}")
+    for g in report["goals"]:
+        value = "-" if g["value"] is None else f"{g['value']:.3g}"
+        lines.append(f"goal: {g['goal']}: {value} (target {g['target']}) {'met' if g['met'] else 'MISSED'}")
+    return "\n".join(lines)

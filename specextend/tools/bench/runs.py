@@ -1,0 +1,165 @@
+"""One benchmark run (the engine's, or a transformers peer's timed by a streamer), the greedy check across
+methods, and the folds of repeated runs into medians, speedups and goals."""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+import torch
+
+from ...config import GenerationConfig
+from ...engine import generate
+from ...events import Finished
+from ...metrics import PHASES, summarize
+from ...models import ModelPair
+from .inputs import ASSISTED, BASELINES, GreedyMismatch, HF_LOOKUP_TOKENS, PROMPT_LOOKUP
+
+
+# ---------------------------------------------------------------- one run
+
+
+class _StepClock:
+    """A transformers streamer that notes when each batch of tokens arrives (the first is the prompt)."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[float, int]] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.marks.append((time.perf_counter(), int(value.numel())))
+
+    def end(self) -> None:
+        pass
+
+
+def run_peer(pair: ModelPair, prompt: list[int], config: GenerationConfig, name: str) -> dict:
+    """A transformers peer, greedy: assisted generation with its default draft settings (restored after each
+    call), or prompt lookup decoding with its documented settings."""
+    ids = torch.tensor([prompt], device=pair.device)
+    clock = _StepClock()
+    saved = copy.deepcopy(pair.draft.generation_config)  # its confidence threshold adapts and persists otherwise
+    eos = list(config.eos_token_ids) or None
+    drafting = {"assistant_model": pair.draft} if name == ASSISTED else {"prompt_lookup_num_tokens": HF_LOOKUP_TOKENS}
+    start = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            out = pair.target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                       max_new_tokens=config.max_new_tokens, eos_token_id=eos,
+                                       pad_token_id=eos[0] if eos else None, streamer=clock, **drafting)
+    finally:
+        pair.draft.generation_config = saved
+    new = out[0, len(prompt):].tolist()
+    steps = clock.marks[1:]  # one batch per verification step
+    (first_t, first_n), (last_t, _) = steps[0], steps[-1]
+    decode_s = last_t - first_t
+    return {"token_ids": new, "decode_tokens_per_s": (len(new) - first_n) / decode_s if decode_s > 0 else 0.0,
+            "e2e_tokens_per_s": len(new) / (last_t - start), "mean_accepted": len(new) / len(steps),
+            "acceptance_by_position": None, "phase_seconds": None, "cmr_overhead_share": None, "steps": len(steps),
+            "retrievals": None, "stop_reason": "eos" if eos and new[-1] in eos else "max_new_tokens",
+            "tokens_by_source": None}
+
+
+def run_engine(pair: ModelPair, prompt: list[int], config: GenerationConfig) -> dict:
+    trace = list(generate(pair, prompt, config))
+    finished = trace[-1]
+    assert isinstance(finished, Finished)
+    s = summarize(trace)
+    return {"token_ids": list(finished.token_ids), "decode_tokens_per_s": s.decode_tokens_per_s,
+            "e2e_tokens_per_s": s.e2e_tokens_per_s, "mean_accepted": s.mean_accepted if s.steps else None,
+            "acceptance_by_position": list(s.acceptance_by_position), "phase_seconds": s.phase_seconds,
+            "cmr_overhead_share": s.cmr_overhead_share, "steps": s.steps,
+            "retrievals": s.retrievals, "stop_reason": s.stop_reason, "tokens_by_source": s.tokens_by_source}
+
+
+def run_method(pair: ModelPair, prompt: list[int], name: str, config: GenerationConfig | None, max_new_tokens: int,
+               eos: tuple[int, ...]) -> dict:
+    if config is None:
+        return run_peer(pair, prompt, GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos), name)
+    return run_engine(pair, prompt, config)
+
+
+def check_same(reference: tuple[str, list[int]], name: str, ids: list[int], where: str) -> None:
+    """Raise GreedyMismatch naming both methods and the first differing position."""
+    ref_name, ref = reference
+    if ids == ref:
+        return
+    pos = next((i for i, (a, b) in enumerate(zip(ref, ids)) if a != b), min(len(ref), len(ids)))
+    show = lambda seq: seq[pos] if pos < len(seq) else "end"  # noqa: E731
+    raise GreedyMismatch(f"{where}: the greedy output of {name!r} differs from {ref_name!r} at new token {pos} "
+                         f"({name}: {show(ids)}, {ref_name}: {show(ref)}); outputs must be identical")
+
+
+# ---------------------------------------------------------------- folds
+
+
+def spread(values: list) -> dict | None:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def cells(runs: list[dict], names: list[str], same_as: dict[str, str]) -> list[dict]:
+    """One row per (length, method): medians with min/max over documents and repeats; speedups paired by run."""
+    by_key = {(r["length"], r["document"], r["repeat"], r["method"]): r for r in runs}
+    rows = []
+    for length in sorted({r["length"] for r in runs}):
+        for name in names:
+            mine = [r for r in runs if r["length"] == length and r["method"] == same_as.get(name, name)]
+            if not mine:
+                continue
+            row = {"length": length, "method": name, "same_as": same_as.get(name),
+                   "prompt_tokens": statistics.median(r["prompt_tokens"] for r in mine),
+                   "new_tokens": statistics.median(len(r["token_ids"]) for r in mine)}
+            for field in ("decode_tokens_per_s", "e2e_tokens_per_s", "mean_accepted", "cmr_overhead_share"):
+                row[field] = spread([r[field] for r in mine])
+            for base in BASELINES:
+                for field, label in (("decode_tokens_per_s", "decode"), ("e2e_tokens_per_s", "e2e")):
+                    pairs = [(r, by_key.get((length, r["document"], r["repeat"], same_as.get(base, base)))) for r in mine]
+                    row[f"{label}_speedup_vs_{base}"] = spread([r[field] / b[field] for r, b in pairs if b and b[field]])
+            positions = [r["acceptance_by_position"] for r in mine if r["acceptance_by_position"]]
+            row["acceptance_by_position"] = [statistics.median(p[i] for p in positions if i < len(p))
+                                             for i in range(max(map(len, positions), default=0))]
+            phases = [r["phase_seconds"] for r in mine if r["phase_seconds"]]
+            row["phase_seconds"] = {p: statistics.median(x[p] for x in phases) for p in PHASES} if phases else None
+            split = [(r["tokens_by_source"], r["steps"]) for r in mine if r["tokens_by_source"] and r["steps"]]
+            row["tokens_per_step_by_source"] = {k: statistics.median(t[k] / n for t, n in split)
+                                                for k in split[0][0]} if split else None
+            rows.append(row)
+    return rows
+
+
+def goals(rows: list[dict]) -> list[dict]:
+    """The issue's goals, checked on the longest and the shortest input length of this run."""
+    at = {(r["length"], r["method"]): r for r in rows}
+    lengths = sorted({r["length"] for r in rows})
+    out = []
+
+    def goal(text: str, value, target: float) -> None:
+        out.append({"goal": text, "value": value, "target": target, "met": value is not None and value >= target})
+
+    merged = lengths and at.get((lengths[-1], "specextend_lookup"))
+    if merged:  # lookup drafting's goals: against the target alone and transformers' prompt lookup
+        for base, target in (("autoregressive", 1.5), (PROMPT_LOOKUP, 2.0)):
+            s = merged.get(f"decode_speedup_vs_{base}")
+            goal(f"specextend_lookup decode speedup over {base} at {lengths[-1]} tokens", s and s["median"], target)
+        s = at.get((lengths[0], "specextend_lookup"), {}).get("decode_speedup_vs_autoregressive")
+        goal(f"specextend_lookup decode speedup over autoregressive at {lengths[0]} tokens (no slower)",
+             s and s["median"], 1.0)
+    if not lengths or (lengths[-1], "specextend") not in at:
+        return out
+    longest, shortest = at[(lengths[-1], "specextend")], at.get((lengths[0], "specextend"))
+
+    for base in ("autoregressive", "speculative", ASSISTED):  # SpecExtend's own goals
+        s = longest.get(f"decode_speedup_vs_{base}")
+        goal(f"decode speedup over {base} at {lengths[-1]} tokens", s and s["median"], 2.0)
+    s = shortest and shortest.get("decode_speedup_vs_speculative")
+    goal(f"decode speedup over speculative at {lengths[0]} tokens (no slower)", s and s["median"], 1.0)
+    share = longest["cmr_overhead_share"]
+    out.append({"goal": f"CMR overhead share of decode time at {lengths[-1]} tokens", "value": share and share["median"],
+                "target": 0.02, "met": share is not None and share["median"] <= 0.02})
+    full = at.get((lengths[-1], "speculative"))
+    if full and full["mean_accepted"] and longest["mean_accepted"]:
+        goal(f"mean accepted length with CMR / with the full draft cache at {lengths[-1]} tokens",
+             longest["mean_accepted"]["median"] / full["mean_accepted"]["median"], 1.5)
+    return out
