@@ -8,7 +8,7 @@ of every answer step. Shards go to cache/teacher/chat-NNNN.pt with input_ids / t
 like teacher_topk.py, padded to 512 positions, plus a loss `mask` (N, T) that covers only the
 positions predicting answer tokens (the prompt is context, not a target).
 
-    python scripts/chat_samples.py --minutes 10
+    python -m scripts.chat_samples --minutes 10
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-import pd_corpus
+from scripts import pd_corpus
 
 WINDOW = 512
 TOPK = 32

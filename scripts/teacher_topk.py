@@ -7,7 +7,7 @@ emulated and slow on this CPU); every SHARD windows are saved to cache/teacher/p
 where row t holds the target's distribution for the token after position t.
 Stops after --minutes of work or when the windows run out; the draft trainer reads every shard.
 
-    python scripts/teacher_topk.py --minutes 12
+    python -m scripts.teacher_topk --minutes 12
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-import pd_corpus
+from scripts import pd_corpus
 
 WINDOW = 512
 TOPK = 32

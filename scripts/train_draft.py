@@ -33,7 +33,7 @@ The learning rate follows a cosine over the wall-clock budget, so a run of --min
 Every --save-every minutes and at the end the weights are written (bfloat16 safetensors) to --out
 with the tokenizer files and a training record (train_record.json).
 
-    python scripts/train_draft.py --minutes 40 --seed 0
+    python -m scripts.train_draft --minutes 40 --seed 0
 """
 
 from __future__ import annotations
@@ -53,11 +53,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import pd_corpus
+from scripts import pd_corpus
 
-sys.path.insert(0, str(pd_corpus.REPO_ROOT))
-from specextend.tools import bundled  # noqa: E402
-from specextend.models import DRAFT_VOCAB_FILE, SHARED_EMBEDDING, cuts_from_target, read_output_vocab, share_embedding  # noqa: E402
+from specextend.tools import bundled
+from specextend.models import DRAFT_VOCAB_FILE, SHARED_EMBEDDING, cuts_from_target, read_output_vocab, share_embedding
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -449,7 +448,7 @@ def main() -> None:
     if args.policy_share > 0:
         from transformers import AutoTokenizer
 
-        import chat_samples
+        from scripts import chat_samples
 
         tok = AutoTokenizer.from_pretrained(tdir)
         prompt_rng = random.Random(args.seed + 1)

@@ -114,9 +114,7 @@ def test_manifest_matches_files():
 
 
 def test_training_text_never_includes_bundled_documents():
-    import sys
-    sys.path.insert(0, str(bundled.REPO_ROOT / "scripts"))
-    import pd_corpus
+    from scripts import pd_corpus
 
     held = pd_corpus.HELD_OUT_WORKS
     for doc in bundled.documents("eval"):

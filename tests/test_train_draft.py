@@ -8,17 +8,14 @@ draft's own answer from its output vocabulary, cut at eos, with a loss mask over
 from __future__ import annotations
 
 import random
-import sys
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from scripts import train_draft
 from specextend.tools import bundled
-
-sys.path.insert(0, str(bundled.REPO_ROOT / "scripts"))
-import train_draft  # noqa: E402
 
 EOS = 2
 ROWS = torch.tensor([0, 2, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43])  # an output vocabulary
