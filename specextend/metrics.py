@@ -29,6 +29,14 @@ class Summary:
     stop_reason: str
     tokens_by_source: dict[str, int]  # generated tokens by who proposed them (see tokens_by_source)
 
+    def figures(self) -> dict:
+        """What a run reports (the CLI's JSON line, the benchmark's rows), as plain JSON values."""
+        return {"decode_tokens_per_s": self.decode_tokens_per_s, "e2e_tokens_per_s": self.e2e_tokens_per_s,
+                "mean_accepted": self.mean_accepted, "acceptance_by_position": list(self.acceptance_by_position),
+                "phase_seconds": dict(self.phase_seconds), "cmr_overhead_share": self.cmr_overhead_share,
+                "steps": self.steps, "retrievals": self.retrievals, "stop_reason": self.stop_reason,
+                "tokens_by_source": dict(self.tokens_by_source)}
+
 
 def _of(events: Iterable[Event], cls: type) -> list:
     return [e for e in events if isinstance(e, cls)]

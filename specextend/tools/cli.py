@@ -186,11 +186,7 @@ def generate_command(args: argparse.Namespace) -> int:
     print(out_text)
     print(json.dumps({
         "method": config.method, "prompt_tokens": len(prompt), "token_ids": list(finished.token_ids),
-        "text": out_text, "decode_tokens_per_s": summary.decode_tokens_per_s,
-        "e2e_tokens_per_s": summary.e2e_tokens_per_s, "mean_accepted": summary.mean_accepted,
-        "acceptance_by_position": list(summary.acceptance_by_position), "phase_seconds": summary.phase_seconds,
-        "cmr_overhead_share": summary.cmr_overhead_share, "steps": summary.steps, "stop_reason": summary.stop_reason,
-        "tokens_by_source": summary.tokens_by_source,
+        "text": out_text, **summary.figures(),
         "device": str(pair.device), "dtype": str(pair.dtype).replace("torch.", ""), "backend": pair.backend,
         "config": trace[0].config,  # as the engine ran it: the retrieval signal resolved for the pair
     }))

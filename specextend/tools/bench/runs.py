@@ -64,11 +64,8 @@ def run_engine(pair: ModelPair, prompt: list[int], config: GenerationConfig) -> 
     finished = trace[-1]
     assert isinstance(finished, Finished)
     s = summarize(trace)
-    return {"token_ids": list(finished.token_ids), "decode_tokens_per_s": s.decode_tokens_per_s,
-            "e2e_tokens_per_s": s.e2e_tokens_per_s, "mean_accepted": s.mean_accepted if s.steps else None,
-            "acceptance_by_position": list(s.acceptance_by_position), "phase_seconds": s.phase_seconds,
-            "cmr_overhead_share": s.cmr_overhead_share, "steps": s.steps,
-            "retrievals": s.retrievals, "stop_reason": s.stop_reason, "tokens_by_source": s.tokens_by_source}
+    # mean_accepted None without steps, so medians skip a run that never stepped
+    return {"token_ids": list(finished.token_ids), **s.figures(), "mean_accepted": s.mean_accepted if s.steps else None}
 
 
 def run_method(pair: ModelPair, prompt: list[int], name: str, config: GenerationConfig | None, max_new_tokens: int,
