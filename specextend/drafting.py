@@ -147,32 +147,43 @@ class Drafter(Protocol):
     """The strategy the engine drafts with (the draft model, lookup, both merged, nothing for the target alone,
     or a scripted one in tests).
 
-    `propose(room, generator)`: a tree no deeper than `room` (tokens left before max_new_tokens).
-    `commit(tokens)`: the tokens the step committed (the accepted path, then the bonus token), or the first
-    token after prefill. `drafts`: whether it proposes at all (the engine reports a drafting phase only then).
-    `runners`: the step runners it holds (steps.py), handed back when the request ends.
+    `prefill(prompt, stop)`: read the prompt, yielding tokens done. `propose(room, generator)`: a tree no deeper
+    than `room` (tokens left before max_new_tokens). `commit(tokens)`: the tokens the step committed (the accepted
+    path, then the bonus token), or the first token after prefill. `due(step, accepted, depth)`: whether its working
+    cache is rebuilt now (step 0: right after prefill; later, after a step that accepted `accepted` of `depth`).
+    `rebuild(token_scores)`: rebuild it, from the target's scores when `needs_scores`.
+    `drafts`: whether it proposes at all (the engine reports a drafting phase only then). `runners`: the step
+    runners it holds (steps.py), handed back when the request ends.
     """
 
-    policy: DraftCachePolicy
-    working_len: int
     drafts: bool
+    needs_scores: bool
     runners: tuple[StepRunner, ...]
 
     def prefill(self, prompt: list[int], stop) -> Iterator[int]: ...
     def propose(self, room: int, generator: torch.Generator | None) -> DraftTree: ...
     def commit(self, tokens: list[int]) -> None: ...
+    def due(self, step: int, accepted: int = 0, depth: int = 0) -> bool: ...
     def rebuild(self, token_scores: torch.Tensor | None) -> tuple[Selection, int]: ...
 
 
-class NoDrafter:
+class Cacheless:
+    """A drafter without a working cache (the target alone, lookup alone, scripted drafts): never rebuilt."""
+
+    needs_scores = False
+    runners: tuple[StepRunner, ...] = ()
+
+    def due(self, step: int, accepted: int = 0, depth: int = 0) -> bool:
+        return False
+
+    def rebuild(self, token_scores: torch.Tensor | None) -> tuple[Selection, int]:
+        raise RuntimeError(f"{type(self).__name__} keeps no draft cache: there is nothing to rebuild")
+
+
+class NoDrafter(Cacheless):
     """The target alone: proposes nothing, so every step verifies just the root (one autoregressive step)."""
 
     drafts = False
-    working_len = 0
-    runners: tuple[StepRunner, ...] = ()
-
-    def __init__(self) -> None:
-        self.policy = DraftCachePolicy()  # the full policy: never due, never rebuilt
 
     def prefill(self, prompt: list[int], stop) -> Iterator[int]:
         return iter(())
@@ -182,9 +193,6 @@ class NoDrafter:
 
     def commit(self, tokens: list[int]) -> None:
         pass
-
-    def rebuild(self, token_scores: torch.Tensor | None) -> tuple[Selection, int]:
-        raise RuntimeError("the target alone keeps no draft cache to rebuild")
 
 
 class ModelDrafter:
@@ -214,8 +222,16 @@ class ModelDrafter:
         self._tree: _Growing | None = None
 
     @property
-    def working_len(self) -> int:
-        return self.working.length
+    def needs_scores(self) -> bool:
+        return self.policy.needs_scores
+
+    def due(self, step: int, accepted: int = 0, depth: int = 0) -> bool:
+        """After prefill, a working cache to build unless the draft keeps its full cache; after a step, as its
+        policy says."""
+        if step == 0:
+            return self.policy.name is not DraftCache.FULL
+        self.policy.observe(accepted, depth)
+        return self.policy.due(step, self.working.length)
 
     # -- prefill ---------------------------------------------------------------------------------------
     def prefill(self, prompt: list[int], stop, block: int = 2048) -> Iterator[int]:

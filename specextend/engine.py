@@ -18,7 +18,6 @@ from .attention import AttentionPlan, QueryCapture
 from .config import GenerationConfig, RetrievalSignal
 from .drafting import Drafter, DraftTree, ModelDrafter, NoDrafter, tree_mask
 from .lookup import LookupDrafter, MergedDrafter
-from .methods import DraftCache
 from .events import Drafted, Event, Finished, Prefilled, Prefilling, Retrieved, Started, Verified
 from .models import ModelPair, final_layer
 from .retrieval import make_policy
@@ -178,7 +177,7 @@ def generate(
     generator = None if config.greedy else torch.Generator().manual_seed(config.seed)
     room = len(prompt) + config.max_new_tokens + config.tree_budget + 2
     drafter = drafter or make_drafter(pair, config, room)
-    scored = drafter.policy.needs_scores
+    scored = drafter.needs_scores
     target = Target(pair.target, config, room, signal if scored else None)
     try:
         yield Started(t_s=clock(), elapsed_s=0.0, method=config.method, prompt_ids=tuple(prompt), config=asdict(config),
@@ -211,7 +210,7 @@ def generate(
         drafter.commit([first])
         yield Prefilled(t_s=clock(), elapsed_s=target_s + draft_s, prompt_len=len(prompt), target_s=target_s,
                         draft_s=draft_s, first_token=first, shared=target.shared_s is not None)
-        if drafter.policy.name is not DraftCache.FULL:
+        if drafter.due(0):  # the working cache the first draft reads
             yield retrieve(drafter, target, 0, config, clock, sync)
 
         # 2) draft, verify, commit, retrieve: until max_new_tokens, EOS or stop
@@ -248,8 +247,7 @@ def generate(
             yield Verified(t_s=clock(), elapsed_s=clock() - phase, step=step, position=position + 1,
                            accepted_nodes=tuple(path), accepted=accepted, num_accepted=len(path), bonus_token=bonus,
                            committed=tuple(committed), total_new=len(out))
-            drafter.policy.observe(len(path), max(tree.depths, default=0))
-            if drafter.policy.due(step, drafter.working_len):  # d) retrieval
+            if drafter.due(step, len(path), max(tree.depths, default=0)):  # d) retrieval
                 yield retrieve(drafter, target, step, config, clock, sync)
         yield Finished(t_s=clock(), elapsed_s=clock(), token_ids=tuple(out), stop_reason=reason, steps=step,
                        prompt_len=len(prompt))
@@ -285,11 +283,11 @@ def finished_reason(out: list[int], config: GenerationConfig) -> str | None:
 def retrieve(drafter: Drafter, target: Target, step: int, config: GenerationConfig, clock, sync) -> Retrieved:
     """Rebuild the draft's working cache; CMR scores chunks by the retrieval signal (the target's captured queries)."""
     phase = clock()
-    scored = drafter.policy.needs_scores
+    scored = drafter.needs_scores
     selection, seq_len = drafter.rebuild(target.token_scores() if scored else None)
     sync()
     signal = config.retrieval.signal
-    return Retrieved(t_s=clock(), elapsed_s=clock() - phase, step=step, policy=drafter.policy.name.value, seq_len=seq_len,
+    return Retrieved(t_s=clock(), elapsed_s=clock() - phase, step=step, policy=config.draft_cache.value, seq_len=seq_len,
                      chunk_size=config.retrieval.chunk_size, chunk_spans=selection.chunk_spans, scores=selection.scores,
                      selected=selection.selected, kept_spans=selection.kept_spans,
                      working_cache_len=int(selection.positions.shape[0]), signal=signal.name if scored else "",

@@ -22,8 +22,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from .config import LookupConfig
-from .drafting import DraftTree, ModelDrafter, graft, token_path
-from .retrieval import DraftCachePolicy, Selection
+from .drafting import Cacheless, DraftTree, ModelDrafter, graft, token_path
+from .retrieval import Selection
 from .verification import verify_greedy
 
 
@@ -132,21 +132,18 @@ def replay(prompt: Sequence[int], output: Sequence[int], config: LookupConfig, m
     return steps
 
 
-class LookupDrafter:
-    """Drafts by lookup alone: no draft model, so no draft cache (the full policy, never rebuilt).
+class LookupDrafter(Cacheless):
+    """Drafts by lookup alone: no draft model, so no draft cache.
 
     With `config.adaptive`, a branch is at most 2a + 2 tokens long, a being how many tokens of the last
     proposal were committed (up to max_tokens): long runs while copies hold, two tokens after a miss.
     """
 
     drafts = True
-    runners = ()  # no draft model, no cache
 
     def __init__(self, config: LookupConfig) -> None:
         self.config = config
         self.index = NgramIndex(config.min_ngram, config.max_ngram)
-        self.policy = DraftCachePolicy()
-        self.working_len = 0
         self.size = config.max_tokens  # the next branch's length at most
         self.found: list[Continuation] = []  # this step's proposal
 
@@ -167,9 +164,6 @@ class LookupDrafter:
             self.size = min(self.config.max_tokens, 2 * copied + 2)
         self.found = []
         self.index.extend(tokens)
-
-    def rebuild(self, token_scores: torch.Tensor | None) -> tuple[Selection, int]:
-        raise RuntimeError("lookup drafting keeps no draft cache: there is nothing to rebuild")
 
 
 GATE_USES = 4  # the draft model's last uses the gate averages over
@@ -195,12 +189,11 @@ class MergedDrafter:
         self._tree: DraftTree | None = None  # this step's tree, when the draft model helped build it
 
     @property
-    def policy(self) -> DraftCachePolicy:
-        return self.model.policy
+    def needs_scores(self) -> bool:
+        return self.model.needs_scores
 
-    @property
-    def working_len(self) -> int:
-        return self.model.working_len
+    def due(self, step: int, accepted: int = 0, depth: int = 0) -> bool:
+        return self.model.due(step, accepted, depth)
 
     def prefill(self, prompt: list[int], stop) -> Iterator[int]:
         self.lookup.prefill(prompt, stop)

@@ -14,11 +14,10 @@ import torch
 from conftest import VOCAB, reference_greedy, tiny
 from specextend import events as ev
 from specextend.config import AttentionConfig, DraftConfig, GenerationConfig, RetrievalConfig, RetrievalSignal, preset
-from specextend.drafting import DraftTree
+from specextend.drafting import Cacheless, DraftTree
 from specextend.engine import generate
 from specextend.metrics import new_tokens, summarize
 from specextend.models import make_pair
-from specextend.retrieval import DraftCachePolicy
 from specextend.signal import PAPER, UNCALIBRATED
 
 N_NEW = 24
@@ -167,14 +166,13 @@ def test_working_cache_that_holds_everything_drafts_like_the_full_cache(self_pai
         assert output(run(self_pair, prompt, preset(method, max_new_tokens=N_NEW, draft=chain, retrieval=tight))) == refs(prompt)
 
 
-class ScriptedDrafter:
+class ScriptedDrafter(Cacheless):
     """Proposes from the known reference output: right, wrong, or right for the first j tokens."""
+
+    drafts = True
 
     def __init__(self, reference: list[int], right_for: int, branching: bool = False) -> None:
         self.reference, self.right_for, self.branching = reference, right_for, branching
-        self.policy = DraftCachePolicy()
-        self.working_len = 0
-        self.drafts, self.runners = True, ()
         self.generated: list[int] = []
         self.proposed: list[int] = []
 
