@@ -9,8 +9,8 @@ from pathlib import Path
 
 from .. import bundled
 from ...config import DraftConfig, GenerationConfig, RetrievalConfig, preset
-from ...drafting import DraftTree, ModelDrafter
-from ...engine import Target
+from ...drafting import ModelDrafter
+from ...engine import generate
 from ...methods import DraftCache
 from ...models import ModelPair
 from ...retrieval import make_policy
@@ -22,14 +22,10 @@ from .runs import spread
 # ---------------------------------------------------------------- needle retrieval (Table 1)
 
 
-def target_answer(target: Target, n: int) -> list[int]:
-    """The target's own greedy continuation after its prefill (one token per forward)."""
-    tokens = [int(target.logits[-1].argmax())]
-    while len(tokens) < n:
-        logits = target.verify(tokens[-1], DraftTree.empty())
-        target.commit([])
-        tokens.append(int(logits[-1].argmax()))
-    return tokens
+def target_answer(pair: ModelPair, prompt: list[int], n: int) -> list[int]:
+    """The target's own greedy continuation: the engine's autoregressive run, n tokens (no end token stops it)."""
+    finished = list(generate(pair, prompt, preset("autoregressive", max_new_tokens=n)))[-1]
+    return list(finished.token_ids)
 
 
 def draft_answer(pair: ModelPair, config: GenerationConfig, policy_name: str, prompt: list[int],
@@ -59,8 +55,8 @@ def needle_case(pair: ModelPair, tokenizer, signals: dict[str, RetrievalConfig],
     """One planted needle: does each working cache hold it after the first retrieval, and what does each reader
     answer (the target; the draft alone from its full cache, StreamingLLM's window, CMR's cache per signal)."""
     prompt = needle_prompt(tokenizer, text, depth, seed)
-    target, scores = read_signals(pair, prompt.ids, {k: v.signal for k, v in signals.items()}, answer_tokens + 2)
-    held, answers = {}, {"target": target_answer(target, answer_tokens)}
+    _, scores = read_signals(pair, prompt.ids, {k: v.signal for k, v in signals.items()})
+    held, answers = {}, {"target": target_answer(pair, prompt.ids, answer_tokens)}
     for name, retrieval in signals.items():
         selection = make_policy("cmr", retrieval).select(len(prompt.ids) - 1, scores[name])
         held[name] = holds(selection.kept_spans, prompt.span)
