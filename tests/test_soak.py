@@ -45,8 +45,8 @@ def run_args(document: str, method: str = "specextend", race=("autoregressive",)
 
 def test_fifty_runs_hold_memory_and_threads(server):
     """After a warm-up, fifty more runs: resident memory stays within 10%, and the thread count after the second
-    twenty-five is no higher than after the first (thread pools fill to their size once; a leak would grow with
-    every run); no job thread outlives its run."""
+    twenty-five is at most two above the count after the first (a leak would grow by one with every run, 25 here);
+    no job thread outlives its run."""
     from gradio_client import Client
 
     client = Client(server, verbose=False)
@@ -60,7 +60,9 @@ def test_fifty_runs_hold_memory_and_threads(server):
             assert "Done." in client.predict(*run_args(documents[i % 5], seed=25 * half + i), api_name="/run")[0]
         counts.append(settled_threads(counts[-1] if counts else 0))
     assert rss_mb() < 1.10 * memory, (memory, rss_mb())
-    assert counts[1] <= counts[0], "; ".join(sorted(t.name for t in threading.enumerate()))
+    # a leak adds a thread per run (25 between the counts); pools may still add a worker or two late (a submit
+    # that found every worker busy starts one, up to the pool's size), and a progress bar's monitor comes and goes
+    assert counts[1] <= counts[0] + 2, "; ".join(sorted(t.name for t in threading.enumerate()))
     assert not any(t.name == "specextend-job" for t in threading.enumerate())
 
 
