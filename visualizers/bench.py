@@ -1,6 +1,6 @@
 """Figures of a benchmark report (specextend.tools.bench): throughput by input length, speedup over standard
 speculative decoding, acceptance and phases at the longest input, needles by depth, the retrieval sweep. Plotly
-Figures from the report's plain rows; no gradio."""
+Figures from the report's rows (its grid cells and sweep rows, read by attribute); no gradio."""
 
 from __future__ import annotations
 
@@ -13,41 +13,41 @@ def grid_figures(rows: list[dict]) -> dict:
     from plotly.colors import qualitative
     from plotly.subplots import make_subplots
 
-    names = list(dict.fromkeys(r["method"] for r in rows))
+    names = list(dict.fromkeys(r.method for r in rows))
     figs = {}
     fig = make_subplots(rows=1, cols=2, subplot_titles=("decode tokens/s", "end-to-end tokens/s"))
     palette = qualitative.D3
     for i, name in enumerate(names):
-        mine = [r for r in rows if r["method"] == name]
+        mine = [r for r in rows if r.method == name]
         for col, field in ((1, "decode_tokens_per_s"), (2, "e2e_tokens_per_s")):
-            med = [r[field]["median"] for r in mine]
+            med = [getattr(r, field).median for r in mine]
             fig.add_trace(go.Scatter(
-                x=[r["length"] for r in mine], y=med, name=name, legendgroup=name, showlegend=col == 1,
+                x=[r.length for r in mine], y=med, name=name, legendgroup=name, showlegend=col == 1,
                 line=dict(color=palette[i % len(palette)]),
-                error_y=dict(type="data", symmetric=False, array=[r[field]["max"] - m for r, m in zip(mine, med)],
-                             arrayminus=[m - r[field]["min"] for r, m in zip(mine, med)])), row=1, col=col)
+                error_y=dict(type="data", symmetric=False, array=[getattr(r, field).max - m for r, m in zip(mine, med)],
+                             arrayminus=[m - getattr(r, field).min for r, m in zip(mine, med)])), row=1, col=col)
     fig.update_xaxes(title_text="input tokens", type="log")
     figs["throughput"] = fig.update_layout(title="Throughput by input length (median, min-max)")
     fig = go.Figure()
     for name in names:
-        mine = [r for r in rows if r["method"] == name and r["decode_speedup_vs_speculative"]]
-        fig.add_bar(x=[str(r["length"]) for r in mine], y=[r["decode_speedup_vs_speculative"]["median"] for r in mine],
+        mine = [r for r in rows if r.method == name and r.speedup("decode", "speculative")]
+        fig.add_bar(x=[str(r.length) for r in mine], y=[r.speedup("decode", "speculative").median for r in mine],
                     name=name)
     figs["speedup"] = fig.update_layout(title="Decode speedup over standard speculative decoding", barmode="group",
                                         xaxis_title="input tokens", yaxis_title="x speculative")
-    longest = max((r["length"] for r in rows), default=0)
-    at_longest = [r for r in rows if r["length"] == longest]
+    longest = max((r.length for r in rows), default=0)
+    at_longest = [r for r in rows if r.length == longest]
     fig = go.Figure()
     for r in at_longest:
-        if r["acceptance_by_position"]:
-            fig.add_scatter(x=list(range(1, len(r["acceptance_by_position"]) + 1)), y=r["acceptance_by_position"],
-                            name=r["method"])
+        if r.acceptance_by_position:
+            fig.add_scatter(x=list(range(1, len(r.acceptance_by_position) + 1)), y=r.acceptance_by_position,
+                            name=r.method)
     figs["acceptance"] = fig.update_layout(title=f"Acceptance by draft position at {longest} tokens",
                                            xaxis_title="draft position", yaxis_title="P(accepted)")
     fig = go.Figure()
     for phase in PHASES:
-        timed = [r for r in at_longest if r["phase_seconds"]]
-        fig.add_bar(x=[r["method"] for r in timed], y=[r["phase_seconds"][phase] for r in timed], name=phase)
+        timed = [r for r in at_longest if r.phase_seconds]
+        fig.add_bar(x=[r.method for r in timed], y=[r.phase_seconds[phase] for r in timed], name=phase)
     figs["phases"] = fig.update_layout(title=f"Time per phase at {longest} tokens (median s)", barmode="stack")
     return figs
 
@@ -56,7 +56,7 @@ def figures(report: dict) -> dict:
     """Plotly figures of the report, by file stem."""
     from plotly.subplots import make_subplots
 
-    rows = [r for r in report["cells"] if not r["same_as"]]
+    rows = [r for r in report["cells"] if not r.same_as]
     figs = grid_figures(rows) if rows else {}  # a needle-only run has no grid
     if report.get("needle"):
         by_depth = report["needle"]["summary"]["by_depth"]
@@ -70,8 +70,8 @@ def figures(report: dict) -> dict:
     if report.get("sweep"):
         sweep = report["sweep"]
         fig = make_subplots(rows=1, cols=2, subplot_titles=("decode tokens/s", "mean accepted length"))
-        fig.add_bar(x=[s["setting"] for s in sweep], y=[s["decode_tokens_per_s"]["median"] for s in sweep], row=1, col=1)
-        fig.add_bar(x=[s["setting"] for s in sweep], y=[s["mean_accepted"]["median"] for s in sweep], row=1, col=2)
+        fig.add_bar(x=[s.setting for s in sweep], y=[s.decode_tokens_per_s.median for s in sweep], row=1, col=1)
+        fig.add_bar(x=[s.setting for s in sweep], y=[s.mean_accepted.median for s in sweep], row=1, col=2)
         figs["sweep"] = fig.update_layout(title=f"SpecExtend retrieval settings at {report['sweep_input']}",
                                           showlegend=False)
     return figs

@@ -19,7 +19,7 @@ from ...models import ModelPair, load_pair, make_pair
 from ..cli import add_lookup_arguments, add_signal_arguments, lookup_from, signal_from
 from ..kernel_bench import llama
 from .inputs import GreedyMismatch, METHODS, QUICK, QUICK_SHAPE, aliases, cut_text, make_inputs, method_configs
-from .report import table, write_outputs
+from .report import plain, table, write_outputs
 from .runs import cells, check_same, goals, run_engine, run_method
 from .sections import needle_case, needle_signals, needle_summary, needle_texts, sweep_configs, sweep_row
 
@@ -113,7 +113,7 @@ def run(args, progress) -> dict:
                 check_same(references[key], f"specextend ({setting})", results[-1]["token_ids"], report["sweep_input"])
                 bar.update()
             sweep.append(sweep_row(setting, config, results))
-        report["sweep"] = [s for s in sweep if s["decode_tokens_per_s"]]
+        report["sweep"] = [s for s in sweep if s.decode_tokens_per_s]
 
     if n_needles:  # does each working cache hold a planted needle, and can the draft alone answer from it
         depths = [float(x) for x in args.needle_depths.split(",")]
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     finally:
         hf_logging.set_verbosity(verbosity)
     print(table(report))
-    print(json.dumps({k: v for k, v in report.items() if k != "runs" and k != "needle"}
-                     | {"needle": report.get("needle") and report["needle"]["summary"], "out": str(args.out)}))
+    print(json.dumps(plain({k: v for k, v in report.items() if k != "runs" and k != "needle"}
+                           | {"needle": report.get("needle") and report["needle"]["summary"], "out": str(args.out)})))
     return 0
 

@@ -6,14 +6,30 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
+
 from visualizers.bench import figures
 
 from ...metrics import PHASES
-from .inputs import ASSISTED, PROMPT_LOOKUP
+from .inputs import BASELINES
+from .runs import Spread
 
 
 # ---------------------------------------------------------------- output
+
+
+def plain(value):
+    """The report as JSON values: records through their to_json() (or their fields), recursively."""
+    if hasattr(value, "to_json"):
+        return plain(value.to_json())
+    if is_dataclass(value) and not isinstance(value, type):
+        return plain(asdict(value))
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
 
 
 def flat(row: dict, prefix: str = "") -> dict:
@@ -30,8 +46,8 @@ def flat(row: dict, prefix: str = "") -> dict:
     return out
 
 
-def write_csv(rows: list[dict], path: Path) -> None:
-    rows = [flat(r) for r in rows]
+def write_csv(rows: list, path: Path) -> None:
+    rows = [flat(plain(r)) for r in rows]
     fields = list(dict.fromkeys(k for r in rows for k in r))
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
@@ -55,7 +71,7 @@ def write_outputs(report: dict, out: Path) -> None:
     if report["png"] == "written":
         files += [f"{stem}.png" for stem in figs]
     report["files"] = files
-    (out / "bench.json").write_text(json.dumps(report, indent=1))
+    (out / "bench.json").write_text(json.dumps(plain(report), indent=1))
 
 
 def write_pngs(figs: dict, out: Path) -> str:
@@ -72,13 +88,13 @@ def write_pngs(figs: dict, out: Path) -> str:
     return "written"
 
 
-def fmt(s: dict | None, places: int = 1) -> str:
+def fmt(s: Spread | None, places: int = 1) -> str:
     """A spread as 'median [min-max]'."""
-    return "-" if not s else f"{s['median']:.{places}f} [{s['min']:.{places}f}-{s['max']:.{places}f}]"
+    return "-" if not s else f"{s.median:.{places}f} [{s.min:.{places}f}-{s.max:.{places}f}]"
 
 
-def ratio(s: dict | None) -> str:
-    return "-" if not s else f"{s['median']:.2f}x"
+def ratio(s: Spread | None) -> str:
+    return "-" if not s else f"{s.median:.2f}x"
 
 
 def by_source(split: dict | None) -> str:
@@ -89,30 +105,29 @@ def by_source(split: dict | None) -> str:
 def markdown(report: dict) -> str:
     """The report as Markdown tables: the grid per input length, the goals, the needle and sweep sections."""
     lines = []
-    for length in sorted({r["length"] for r in report["cells"]}):
-        mine = [r for r in report["cells"] if r["length"] == length]
-        lines += [f"**~{length} input tokens** (median [min-max] over {mine[0]['decode_tokens_per_s']['n']} runs; "
+    for length in sorted({r.length for r in report["cells"]}):
+        mine = [r for r in report["cells"] if r.length == length]
+        lines += [f"**~{length} input tokens** (median [min-max] over {mine[0].decode_tokens_per_s.n} runs; "
                   f"phase seconds are medians)", "",
                   "| method | decode tok/s | e2e tok/s | x AR | x speculative | x hf_assisted | x hf_prompt_lookup | "
                   "mean accepted | per step: draft / lookup / both / target | "
                   + " | ".join(f"{p} s" for p in PHASES) + " | CMR share |",
                   "|---" * (10 + len(PHASES)) + "|"]
         for r in mine:
-            name = r["method"] + (f" (= {r['same_as']})" if r["same_as"] else "")
-            phases = [f"{r['phase_seconds'][p]:.2f}" if r["phase_seconds"] else "-" for p in PHASES]
-            share = r["cmr_overhead_share"]
-            lines.append(f"| {name} | {fmt(r['decode_tokens_per_s'])} | {fmt(r['e2e_tokens_per_s'])} | "
-                         f"{ratio(r['decode_speedup_vs_autoregressive'])} | {ratio(r['decode_speedup_vs_speculative'])} | "
-                         f"{ratio(r[f'decode_speedup_vs_{ASSISTED}'])} | {ratio(r[f'decode_speedup_vs_{PROMPT_LOOKUP}'])} | "
-                         f"{fmt(r['mean_accepted'], 2)} | {by_source(r['tokens_per_step_by_source'])} | "
-                         + " | ".join(phases) + f" | {'-' if not share else format(share['median'], '.1%')} |")
+            name = r.method + (f" (= {r.same_as})" if r.same_as else "")
+            phases = [f"{r.phase_seconds[p]:.2f}" if r.phase_seconds else "-" for p in PHASES]
+            share = r.cmr_overhead_share
+            speedups = " | ".join(ratio(r.speedup("decode", base)) for base in BASELINES)
+            lines.append(f"| {name} | {fmt(r.decode_tokens_per_s)} | {fmt(r.e2e_tokens_per_s)} | {speedups} | "
+                         f"{fmt(r.mean_accepted, 2)} | {by_source(r.tokens_per_step_by_source)} | "
+                         + " | ".join(phases) + f" | {'-' if not share else format(share.median, '.1%')} |")
         lines.append("")
     if report["goals"]:
         lines += ["| goal | target | measured | met |", "|---|---|---|---|"]
     for g in report["goals"]:
-        target = f"<= {g['target']:.0%}" if "overhead" in g["goal"] else f">= {g['target']}"
-        value = "-" if g["value"] is None else (f"{g['value']:.1%}" if "overhead" in g["goal"] else f"{g['value']:.2f}")
-        lines.append(f"| {g['goal']} | {target} | {value} | {'yes' if g['met'] else 'no'} |")
+        target = f"<= {g.target:.0%}" if "overhead" in g.goal else f">= {g.target}"
+        value = "-" if g.value is None else (f"{g.value:.1%}" if "overhead" in g.goal else f"{g.value:.2f}")
+        lines.append(f"| {g.goal} | {target} | {value} | {'yes' if g.met else 'no'} |")
     if report.get("needle"):
         summary = report["needle"]["summary"]
         depths = list(summary["by_depth"])
@@ -131,9 +146,8 @@ def markdown(report: dict) -> str:
         lines += ["", f"**Retrieval settings**: specextend on {report['sweep_input']}", "",
                   "| setting | decode tok/s | e2e tok/s | mean accepted | CMR share | retrievals |", "|---|---|---|---|---|---|"]
         for s in report["sweep"]:
-            lines.append(f"| {s['setting']} | {fmt(s['decode_tokens_per_s'])} | {fmt(s['e2e_tokens_per_s'])} | "
-                         f"{fmt(s['mean_accepted'], 2)} | {s['cmr_overhead_share']['median']:.1%} | "
-                         f"{s['retrievals']['median']:.0f} |")
+            lines.append(f"| {s.setting} | {fmt(s.decode_tokens_per_s)} | {fmt(s.e2e_tokens_per_s)} | "
+                         f"{fmt(s.mean_accepted, 2)} | {s.cmr_overhead_share.median:.1%} | {s.retrievals.median:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -141,22 +155,21 @@ def table(report: dict) -> str:
     lines = [f"{'tokens':>6} {'method':<31} {'decode tok/s':>20} {'e2e tok/s':>18} {'xAR':>6} {'xspec':>6} "
              f"{'xHF':>6} {'xHFPL':>6} {'accepted':>17} {'CMR share':>9}"]
     for r in report["cells"]:
-        share = r["cmr_overhead_share"]
-        name = r["method"] + (f" (={r['same_as']})" if r["same_as"] else "")
-        lines.append(f"{r['prompt_tokens']:>6.0f} {name:<31} {fmt(r['decode_tokens_per_s']):>20} "
-                     f"{fmt(r['e2e_tokens_per_s']):>18} {ratio(r['decode_speedup_vs_autoregressive']):>6} "
-                     f"{ratio(r['decode_speedup_vs_speculative']):>6} {ratio(r[f'decode_speedup_vs_{ASSISTED}']):>6} "
-                     f"{ratio(r[f'decode_speedup_vs_{PROMPT_LOOKUP}']):>6} {fmt(r['mean_accepted'], 2):>17} "
-                     f"{'-' if not share else format(share['median'], '.1%'):>9}")
+        share = r.cmr_overhead_share
+        name = r.method + (f" (={r.same_as})" if r.same_as else "")
+        speedups = " ".join(f"{ratio(r.speedup('decode', base)):>6}" for base in BASELINES)
+        lines.append(f"{r.prompt_tokens:>6.0f} {name:<31} {fmt(r.decode_tokens_per_s):>20} "
+                     f"{fmt(r.e2e_tokens_per_s):>18} {speedups} {fmt(r.mean_accepted, 2):>17} "
+                     f"{'-' if not share else format(share.median, '.1%'):>9}")
     if report.get("needle"):
         summary = report["needle"]["summary"]
         lines.append(f"needle ({summary['needles']} needles, ~{report['needle']['haystack_tokens']} tokens): hold "
                      + ", ".join(f"{k} {v:.0%}" for k, v in summary["hold_rate"].items()) + "; answers "
                      + ", ".join(f"{k} {v:.0%}" for k, v in summary["accuracy"].items()))
     for s in report.get("sweep") or []:
-        lines.append(f"sweep {s['setting']:<44} decode {fmt(s['decode_tokens_per_s'])} tok/s, "
-                     f"accepted {fmt(s['mean_accepted'], 2)}, CMR share {s['cmr_overhead_share']['median']:.1%}")
+        lines.append(f"sweep {s.setting:<44} decode {fmt(s.decode_tokens_per_s)} tok/s, "
+                     f"accepted {fmt(s.mean_accepted, 2)}, CMR share {s.cmr_overhead_share.median:.1%}")
     for g in report["goals"]:
-        value = "-" if g["value"] is None else f"{g['value']:.3g}"
-        lines.append(f"goal: {g['goal']}: {value} (target {g['target']}) {'met' if g['met'] else 'MISSED'}")
+        value = "-" if g.value is None else f"{g.value:.3g}"
+        lines.append(f"goal: {g.goal}: {value} (target {g.target}) {'met' if g.met else 'MISSED'}")
     return "\n".join(lines)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+from dataclasses import dataclass, fields
+
 import torch
 
 from ...config import GenerationConfig
@@ -89,14 +91,59 @@ def check_same(reference: tuple[str, list[int]], name: str, ids: list[int], wher
 # ---------------------------------------------------------------- folds
 
 
-def spread(values: list) -> dict | None:
-    values = [v for v in values if v is not None]
-    if not values:
-        return None
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+@dataclass(frozen=True)
+class Spread:
+    """Repeated measurements of one figure: their median, least and most, and how many."""
+
+    median: float
+    min: float
+    max: float
+    n: int
+
+    @classmethod
+    def of(cls, values: list) -> Spread | None:
+        """The spread of the values that were measured (None where a run has no such figure)."""
+        values = [v for v in values if v is not None]
+        return cls(statistics.median(values), min(values), max(values), len(values)) if values else None
 
 
-def cells(runs: list[dict], names: list[str], same_as: dict[str, str]) -> list[dict]:
+@dataclass(frozen=True)
+class Cell:
+    """One row of the grid: a method at an input length, over documents and repeats. Speedups are paired by run
+    (the same document and repeat), keyed `decode_speedup_vs_<baseline>` and `e2e_speedup_vs_<baseline>`."""
+
+    length: int
+    method: str
+    same_as: str | None  # the method whose runs it shares (the same config)
+    prompt_tokens: float
+    new_tokens: float
+    decode_tokens_per_s: Spread | None
+    e2e_tokens_per_s: Spread | None
+    mean_accepted: Spread | None
+    cmr_overhead_share: Spread | None
+    speedups: dict[str, Spread | None]
+    acceptance_by_position: list[float]
+    phase_seconds: dict[str, float] | None
+    tokens_per_step_by_source: dict[str, float] | None
+
+    def speedup(self, kind: str, base: str) -> Spread | None:
+        return self.speedups.get(f"{kind}_speedup_vs_{base}")
+
+    def to_json(self) -> dict:
+        """The row as the report's JSON and CSV write it: speedups beside the other figures."""
+        row = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "speedups"}
+        return {**row, **self.speedups}
+
+
+@dataclass(frozen=True)
+class Goal:
+    goal: str
+    value: float | None
+    target: float
+    met: bool
+
+
+def cells(runs: list[dict], names: list[str], same_as: dict[str, str]) -> list[Cell]:
     """One row per (length, method): medians with min/max over documents and repeats; speedups paired by run."""
     by_key = {(r["length"], r["document"], r["repeat"], r["method"]): r for r in runs}
     rows = []
@@ -105,58 +152,61 @@ def cells(runs: list[dict], names: list[str], same_as: dict[str, str]) -> list[d
             mine = [r for r in runs if r["length"] == length and r["method"] == same_as.get(name, name)]
             if not mine:
                 continue
-            row = {"length": length, "method": name, "same_as": same_as.get(name),
-                   "prompt_tokens": statistics.median(r["prompt_tokens"] for r in mine),
-                   "new_tokens": statistics.median(len(r["token_ids"]) for r in mine)}
-            for field in ("decode_tokens_per_s", "e2e_tokens_per_s", "mean_accepted", "cmr_overhead_share"):
-                row[field] = spread([r[field] for r in mine])
+            speedups = {}
             for base in BASELINES:
-                for field, label in (("decode_tokens_per_s", "decode"), ("e2e_tokens_per_s", "e2e")):
+                for field, kind in (("decode_tokens_per_s", "decode"), ("e2e_tokens_per_s", "e2e")):
                     pairs = [(r, by_key.get((length, r["document"], r["repeat"], same_as.get(base, base)))) for r in mine]
-                    row[f"{label}_speedup_vs_{base}"] = spread([r[field] / b[field] for r, b in pairs if b and b[field]])
+                    speedups[f"{kind}_speedup_vs_{base}"] = Spread.of([r[field] / b[field] for r, b in pairs
+                                                                        if b and b[field]])
             positions = [r["acceptance_by_position"] for r in mine if r["acceptance_by_position"]]
-            row["acceptance_by_position"] = [statistics.median(p[i] for p in positions if i < len(p))
-                                             for i in range(max(map(len, positions), default=0))]
             phases = [r["phase_seconds"] for r in mine if r["phase_seconds"]]
-            row["phase_seconds"] = {p: statistics.median(x[p] for x in phases) for p in PHASES} if phases else None
             split = [(r["tokens_by_source"], r["steps"]) for r in mine if r["tokens_by_source"] and r["steps"]]
-            row["tokens_per_step_by_source"] = {k: statistics.median(t[k] / n for t, n in split)
-                                                for k in split[0][0]} if split else None
-            rows.append(row)
+            rows.append(Cell(
+                length=length, method=name, same_as=same_as.get(name),
+                prompt_tokens=statistics.median(r["prompt_tokens"] for r in mine),
+                new_tokens=statistics.median(len(r["token_ids"]) for r in mine),
+                **{f: Spread.of([r[f] for r in mine])
+                   for f in ("decode_tokens_per_s", "e2e_tokens_per_s", "mean_accepted", "cmr_overhead_share")},
+                speedups=speedups,
+                acceptance_by_position=[statistics.median(p[i] for p in positions if i < len(p))
+                                        for i in range(max(map(len, positions), default=0))],
+                phase_seconds={p: statistics.median(x[p] for x in phases) for p in PHASES} if phases else None,
+                tokens_per_step_by_source={k: statistics.median(t[k] / n for t, n in split)
+                                           for k in split[0][0]} if split else None))
     return rows
 
 
-def goals(rows: list[dict]) -> list[dict]:
+def goals(rows: list[Cell]) -> list[Goal]:
     """The issue's goals, checked on the longest and the shortest input length of this run."""
-    at = {(r["length"], r["method"]): r for r in rows}
-    lengths = sorted({r["length"] for r in rows})
+    at = {(r.length, r.method): r for r in rows}
+    lengths = sorted({r.length for r in rows})
     out = []
+    median = lambda s: s and s.median  # noqa: E731
 
     def goal(text: str, value, target: float) -> None:
-        out.append({"goal": text, "value": value, "target": target, "met": value is not None and value >= target})
+        out.append(Goal(text, value, target, value is not None and value >= target))
 
     merged = lengths and at.get((lengths[-1], "specextend_lookup"))
     if merged:  # lookup drafting's goals: against the target alone and transformers' prompt lookup
         for base, target in (("autoregressive", 1.5), (PROMPT_LOOKUP, 2.0)):
-            s = merged.get(f"decode_speedup_vs_{base}")
-            goal(f"specextend_lookup decode speedup over {base} at {lengths[-1]} tokens", s and s["median"], target)
-        s = at.get((lengths[0], "specextend_lookup"), {}).get("decode_speedup_vs_autoregressive")
+            goal(f"specextend_lookup decode speedup over {base} at {lengths[-1]} tokens",
+                 median(merged.speedup("decode", base)), target)
+        first = at.get((lengths[0], "specextend_lookup"))
         goal(f"specextend_lookup decode speedup over autoregressive at {lengths[0]} tokens (no slower)",
-             s and s["median"], 1.0)
+             median(first and first.speedup("decode", "autoregressive")), 1.0)
     if not lengths or (lengths[-1], "specextend") not in at:
         return out
     longest, shortest = at[(lengths[-1], "specextend")], at.get((lengths[0], "specextend"))
 
     for base in ("autoregressive", "speculative", ASSISTED):  # SpecExtend's own goals
-        s = longest.get(f"decode_speedup_vs_{base}")
-        goal(f"decode speedup over {base} at {lengths[-1]} tokens", s and s["median"], 2.0)
-    s = shortest and shortest.get("decode_speedup_vs_speculative")
-    goal(f"decode speedup over speculative at {lengths[0]} tokens (no slower)", s and s["median"], 1.0)
-    share = longest["cmr_overhead_share"]
-    out.append({"goal": f"CMR overhead share of decode time at {lengths[-1]} tokens", "value": share and share["median"],
-                "target": 0.02, "met": share is not None and share["median"] <= 0.02})
+        goal(f"decode speedup over {base} at {lengths[-1]} tokens", median(longest.speedup("decode", base)), 2.0)
+    goal(f"decode speedup over speculative at {lengths[0]} tokens (no slower)",
+         median(shortest and shortest.speedup("decode", "speculative")), 1.0)
+    share = longest.cmr_overhead_share
+    out.append(Goal(f"CMR overhead share of decode time at {lengths[-1]} tokens", median(share), 0.02,
+                    share is not None and share.median <= 0.02))
     full = at.get((lengths[-1], "speculative"))
-    if full and full["mean_accepted"] and longest["mean_accepted"]:
+    if full and full.mean_accepted and longest.mean_accepted:
         goal(f"mean accepted length with CMR / with the full draft cache at {lengths[-1]} tokens",
-             longest["mean_accepted"]["median"] / full["mean_accepted"]["median"], 1.5)
+             longest.mean_accepted.median / full.mean_accepted.median, 1.5)
     return out

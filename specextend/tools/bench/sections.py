@@ -4,7 +4,7 @@ planted needle, and can the draft alone answer from it) and the sweep of retriev
 from __future__ import annotations
 
 import torch
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from .. import bundled
@@ -16,7 +16,7 @@ from ...models import ModelPair
 from ...retrieval import make_policy
 from ...signal import resolve
 from ..probe import holds, needle_prompt, read_signals
-from .runs import spread
+from .runs import Spread
 
 
 # ---------------------------------------------------------------- needle retrieval (Table 1)
@@ -124,7 +124,25 @@ def sweep_configs(base: RetrievalConfig) -> dict[str, RetrievalConfig]:
     return out
 
 
-def sweep_row(setting: str, config: RetrievalConfig, results: list[dict]) -> dict:
-    return {"setting": setting, **asdict(config), "working_cache": config.working_cache,
-            **{f: spread([r[f] for r in results]) for f in
-               ("decode_tokens_per_s", "e2e_tokens_per_s", "mean_accepted", "cmr_overhead_share", "retrievals")}}
+@dataclass(frozen=True)
+class SweepRow:
+    """SpecExtend under one retrieval setting, over repeats."""
+
+    setting: str
+    config: RetrievalConfig
+    decode_tokens_per_s: Spread | None
+    e2e_tokens_per_s: Spread | None
+    mean_accepted: Spread | None
+    cmr_overhead_share: Spread | None
+    retrievals: Spread | None
+
+    def to_json(self) -> dict:
+        """The row as the report's JSON and CSV write it: the setting's config fields beside its figures."""
+        figures = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("setting", "config")}
+        return {"setting": self.setting, **asdict(self.config), "working_cache": self.config.working_cache, **figures}
+
+
+def sweep_row(setting: str, config: RetrievalConfig, results: list[dict]) -> SweepRow:
+    return SweepRow(setting, config, **{f: Spread.of([r[f] for r in results]) for f in
+                                        ("decode_tokens_per_s", "e2e_tokens_per_s", "mean_accepted", "cmr_overhead_share",
+                                         "retrievals")})
