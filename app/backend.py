@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import Any, Callable, Iterator, Protocol, Sequence
@@ -126,7 +127,7 @@ def serve(choice: PairChoice, tokenizer: Any, pair) -> Loaded:
     return Loaded(choice, codec, partial(generate, pair), pair.max_positions, str(pair.device),
                   str(pair.dtype).replace("torch.", ""), partial(head_picture, pair),
                   lambda: partial(generate, pair, shared=SharedPrefill()), shorter,
-                  partial(forget, (id(pair.target), id(pair.draft))))  # ids: the closure must not keep the pair
+                  partial(forget, tuple(weakref.ref(m) for m in (pair.target, pair.draft) if m is not None)))
 
 
 class PairCache:

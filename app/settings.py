@@ -60,6 +60,12 @@ PRESETS = {p.key: p for p in (
 )}
 
 
+def pair_key(entry: str) -> str:
+    """The key a pair is known by: a name as it is, `target + draft` as `target+draft`."""
+    target, sep, draft = (part.strip() for part in entry.strip().partition("+"))
+    return f"{target}+{draft}" if sep else target
+
+
 def parse_pairs(text: str) -> tuple[PairChoice, ...]:
     """`name, target+draft, ...` -> pair choices (a name from PRESETS); ValueError on anything else."""
     pairs = []
@@ -124,8 +130,9 @@ class Settings:
         if not self.pairs:
             raise ValueError("no model pair to serve: SPECEXTEND_HIDE_BUNDLED=1 needs a pair in SPECEXTEND_PAIRS")
         if self.default_pair and self.default_pair not in {p.key for p in self.pairs}:
+            fix = ("unset SPECEXTEND_HIDE_BUNDLED" if self.default_pair == BUNDLED else "add it to SPECEXTEND_PAIRS")
             raise ValueError(f"SPECEXTEND_DEFAULT_PAIR {self.default_pair!r} is not among the offered pairs "
-                             f"({', '.join(p.key for p in self.pairs)}); add it to SPECEXTEND_PAIRS")
+                             f"({', '.join(p.key for p in self.pairs)}); {fix}")
         if self.dtype not in DTYPES:
             raise ValueError(f"SPECEXTEND_DTYPE must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
@@ -141,7 +148,7 @@ class Settings:
             host=env.get("GRADIO_SERVER_NAME", "").strip() or "127.0.0.1",
             port=_number(env, "GRADIO_SERVER_PORT", 7860, 1),
             pairs=(*(() if hidden else (BUNDLED_PAIR,)), *parse_pairs(env.get("SPECEXTEND_PAIRS", ""))),
-            default_pair=env.get("SPECEXTEND_DEFAULT_PAIR", "").strip(),
+            default_pair=pair_key(env.get("SPECEXTEND_DEFAULT_PAIR", "")),
             preload=_flag(env, "SPECEXTEND_PRELOAD"),
             dtype=env.get("SPECEXTEND_DTYPE", "").strip() or "auto",
             max_input_tokens=_number(env, "SPECEXTEND_MAX_INPUT_TOKENS", 0, 0),

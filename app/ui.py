@@ -135,7 +135,8 @@ CLICK_TO_STEP = """
   const hook = () => {
     for (const [id, pick] of [
       ["acceptance-plot", (p) => (!p.data.xaxis || p.data.xaxis === "x" || p.data.xaxis === "x3") ? p.x : NaN],
-      ["retrieval-plot", (p) => p.data.yaxis === "y2" ? p.y + 1 : NaN],  // the draft of the next step reads it
+      // a row of the heatmap names its step in its trace's meta: the step after a retrieval, or a copying step
+      ["retrieval-plot", (p) => p.data.yaxis === "y2" && p.data.meta ? p.y + p.data.meta.stepOffset : NaN],
     ]) {
       const plot = document.querySelector(`#${id} .js-plotly-plot`);
       if (plot && plot.on && !plot.__stepHooked) {
@@ -206,7 +207,8 @@ class Studio:
                     "exact count and the model's limit show once the model is loaded).</div>")
         n = loaded.codec.count(text)
         limit, what = self.input_limit(loaded)
-        over = n >= limit
+        # what a run checks: the whole prompt (the template and a task around the document), here with the default task
+        over = len(loaded.codec.prompt(text, DEFAULT_TASK).ids) >= limit
         style = "se-bad" if over else "se-muted"
         note = " — too long; shorten it." if over else ""
         shorter = loaded.draft_positions
@@ -219,7 +221,7 @@ class Studio:
         """The most prompt tokens a run may read, and how to say it: the target's context, or the server's cap."""
         cap = self.settings.max_input_tokens
         if cap and cap < loaded.max_positions:
-            return cap, f"this server reads documents of up to {cap:,} tokens"
+            return cap, f"this server reads prompts (the document, the template and the task) of up to {cap:,} tokens"
         return loaded.max_positions, f"the model's limit is {loaded.max_positions:,} positions (prompt + new tokens)"
 
     def check_input(self, loaded: Loaded, prompt: Prompt) -> None:

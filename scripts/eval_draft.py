@@ -38,7 +38,8 @@ import torch
 from scripts import pd_corpus
 
 from specextend.tools import bundled
-from specextend.models import load_model, read_output_vocab
+from specextend.models import load_model
+from specextend.vocab import read_output_vocab
 
 CACHE = pd_corpus.CACHE / "eval"
 

@@ -56,7 +56,8 @@ import torch.nn.functional as F
 from scripts import pd_corpus
 
 from specextend.tools import bundled
-from specextend.models import DRAFT_VOCAB_FILE, SHARED_EMBEDDING, cuts_from_target, read_output_vocab, share_embedding
+from specextend.models import SHARED_EMBEDDING, cuts_from_target, share_embedding
+from specextend.vocab import DRAFT_VOCAB_FILE, read_output_vocab
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 

@@ -24,12 +24,12 @@ from . import attention, signal
 from .cache import KVCache
 from .compat import PairFacts, check_architecture, check_pair, context_length
 from .config import RetrievalSignal
+from .vocab import check_vocab, keep_to_vocab, reduce_output_vocab
 
 NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # one formula (rms_norm below)
 # the engine hands models its cache as `cache=`: transformers before 5.24 named it `past_key_values` and would
 # silently run every forward without the cache
 TRANSFORMERS_MIN = (5, 24)
-DRAFT_VOCAB_FILE = "draft_vocab.json"  # a model folder's output vocabulary, {"size": N, "ids": [...]}
 SHARED_EMBEDDING = "shared_embedding"  # config key of a draft cut from its target: it takes the target's embedding
 # CPU default: fp32. On the project's AVX2 machine (no native bf16) a bf16 forward of the 135M target ran
 # 4-5x slower than fp32 (README, "Exactness"); bf16 stays available with dtype="bfloat16".
@@ -116,36 +116,6 @@ def load_model(
     return model.eval()
 
 
-class ReducedVocabHead(torch.nn.Module):
-    """An output layer over some of the vocabulary; every other token gets logit -inf, probability zero.
-
-    A draft whose output layer covers only frequency-ranked tokens drafts only those, at a fraction of
-    the cost of the full layer. The target still verifies over the whole vocabulary, and rejection
-    sampling stays exact because the draft's q is zero wherever it cannot draw. Logits come out over the
-    whole vocabulary, so nothing downstream knows.
-    """
-
-    def __init__(self, weight: torch.Tensor, ids: torch.Tensor, out_features: int):
-        """`weight` (len(ids), H): the output rows of `ids`; logits come out `out_features` wide."""
-        super().__init__()
-        self.out_features = out_features
-        self.register_buffer("ids", ids.to(device=weight.device, dtype=torch.long), persistent=False)
-        self.rows = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-        self.rows.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
-
-    @classmethod
-    def of(cls, full: torch.nn.Linear, ids: torch.Tensor) -> ReducedVocabHead:
-        """The head over `ids` cut from a full output layer (its rows copied)."""
-        ids = ids.to(torch.long)
-        return cls(full.weight.detach()[ids.to(full.weight.device)].clone(), ids, full.out_features)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        # (..., H) -> (..., V_out) -> (..., V) with -inf outside `ids`
-        out = hidden.new_full((*hidden.shape[:-1], self.out_features), float("-inf"))
-        out[..., self.ids] = self.rows(hidden)
-        return out
-
-
 def cuts_from_target(folder: Path) -> bool:
     """Whether a model folder holds a draft that takes its embedding from its target (config `shared_embedding`)."""
     config = folder / "config.json"
@@ -175,63 +145,6 @@ def share_embedding(draft: PreTrainedModel, target: PreTrainedModel | None, sour
         raise ValueError(f"{source} was cut from a target with another embedding shape than this target's")
     draft.set_input_embeddings(embedding)
     draft.get_output_embeddings().weight = embedding.weight
-
-
-def read_output_vocab(folder: Path) -> list[int] | None:
-    """The output vocabulary a model folder lists (DRAFT_VOCAB_FILE), or None when it lists none."""
-    vocab_file = folder / DRAFT_VOCAB_FILE
-    return json.loads(vocab_file.read_text())["ids"] if vocab_file.is_file() else None
-
-
-def reduce_output_vocab(model: PreTrainedModel, folder: Path) -> PreTrainedModel:
-    """Give `model` a ReducedVocabHead when its folder lists an output vocabulary."""
-    ids = read_output_vocab(folder)
-    if ids is not None:
-        model.set_output_embeddings(ReducedVocabHead.of(model.get_output_embeddings(), torch.tensor(ids)))
-    return model
-
-
-class WideEmbedding(torch.nn.Module):
-    """A draft's input embedding read with the target's ids: an id past its rows (a padding row the target has and
-    the draft lacks, which only an untrained target would commit) reads as a zero vector, so the draft can read
-    whatever the target commits."""
-
-    def __init__(self, inner: torch.nn.Embedding):
-        super().__init__()
-        self.inner = inner
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.inner.weight
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        inside = ids < self.inner.num_embeddings  # (B, T)
-        return self.inner(ids.where(inside, 0)) * inside[..., None].to(self.inner.weight.dtype)
-
-
-def keep_to_vocab(draft: PreTrainedModel, shared: int, width: int) -> None:
-    """Make the draft's logits `width` wide (the target's) with -inf at every id from `shared` on, so that it never
-    proposes an id the pair's tokenizer lacks (a padded embedding's rows, or rows only one model has); and let it
-    read every id the target may commit."""
-    if draft.get_input_embeddings().num_embeddings < width:
-        draft.set_input_embeddings(WideEmbedding(draft.get_input_embeddings()))
-    head = draft.get_output_embeddings()
-    if isinstance(head, ReducedVocabHead):
-        keep = head.ids < shared
-        weight, ids = head.rows.weight[keep], head.ids[keep]
-    else:
-        ids = torch.arange(min(shared, head.out_features), device=head.weight.device)
-        weight = head.weight[: len(ids)]  # a view: the tied embedding is not copied
-    if len(ids) < head.out_features or head.out_features != width:
-        draft.set_output_embeddings(ReducedVocabHead(weight, ids, width))
-
-
-def check_vocab(target: PreTrainedModel, draft: PreTrainedModel) -> None:
-    """Models built in memory come without tokenizers to compare: their output layers must be the same width."""
-    t, d = target.get_output_embeddings().out_features, draft.get_output_embeddings().out_features
-    if t != d or target.config.vocab_size != draft.config.vocab_size:
-        raise ValueError(f"the target's vocabulary ({t} tokens) and the draft's ({d} tokens) differ: "
-                         "speculative decoding needs one shared tokenizer")
 
 
 SKINNY_ROWS = 16  # SkinnyLinear's upper bound on rows

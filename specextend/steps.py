@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
@@ -32,6 +33,7 @@ MODES = ("eager", "static", "captured")
 # and gives it back when it ends, so each step shape is captured once per process rather than once per request
 _FREE: dict[tuple, StepRunner] = {}
 _FREE_LOCK = threading.Lock()
+_DROPPED: weakref.WeakSet = weakref.WeakSet()  # models let go of (`forget`): a run still on one keeps nothing back
 
 
 def resolve_mode(mode: str, device: torch.device) -> str:
@@ -94,17 +96,24 @@ def release(runner: StepRunner) -> None:
         return
     key = (id(runner.model), runner.sizes)
     with _FREE_LOCK:
+        if runner.model in _DROPPED:
+            return
         held = _FREE.get(key)
         if held is None or held.slots < runner.slots:
             _FREE[key] = runner
 
 
-def forget(model_ids: tuple[int, ...]) -> None:
-    """The models with these ids are being dropped: let go of their kept runners (captured graphs and caches), then
-    collect and hand the freed CUDA memory back, so that a pair loaded next finds it."""
+def forget(models: tuple[weakref.ref, ...]) -> None:
+    """These models (weak references: the caller keeps nothing alive) are being dropped: let go of their kept runners
+    (captured graphs and caches), and of those a run still using them hands back later; then collect and hand the
+    freed CUDA memory back, so that a pair loaded next finds it."""
     with _FREE_LOCK:
-        for key in [k for k in _FREE if k[0] in model_ids]:
-            del _FREE[key]
+        for ref in models:
+            model = ref()
+            if model is not None:
+                _DROPPED.add(model)
+                for key in [k for k in _FREE if k[0] == id(model)]:
+                    del _FREE[key]
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -249,10 +249,14 @@ def test_a_preset_named_by_the_operator_is_offered_and_selected_and_the_bundled_
     props = pair_dropdown(Settings.from_env(env))
     assert [key for _, key in props["choices"]] == [BUNDLED, "qwen2.5-7b", "vicuna-7b-16k"]
     assert props["value"] == "qwen2.5-7b" and PRESETS["qwen2.5-7b"].target == "Qwen/Qwen2.5-7B-Instruct"
+    spaced = Settings.from_env({"SPECEXTEND_PAIRS": "a/t + a/d", "SPECEXTEND_DEFAULT_PAIR": " a/t + a/d "})
+    assert spaced.default.key == "a/t+a/d"  # written as the operator likes, matched as the list has it
     hidden = pair_dropdown(Settings.from_env({**env, "SPECEXTEND_HIDE_BUNDLED": "1", "SPECEXTEND_DEFAULT_PAIR": ""}))
     assert [key for _, key in hidden["choices"]] == ["qwen2.5-7b", "vicuna-7b-16k"] and hidden["value"] == "qwen2.5-7b"
     for bad, message in (({"SPECEXTEND_HIDE_BUNDLED": "1"}, "no model pair to serve"),
                          ({"SPECEXTEND_DEFAULT_PAIR": "qwen3-8b"}, "not among the offered pairs"),
+                         ({**env, "SPECEXTEND_HIDE_BUNDLED": "1", "SPECEXTEND_DEFAULT_PAIR": "bundled"},
+                          "unset SPECEXTEND_HIDE_BUNDLED"),
                          ({"SPECEXTEND_PAIRS": "qwen9"}, "neither a preset"),
                          ({"SPECEXTEND_DTYPE": "int4"}, "SPECEXTEND_DTYPE"),
                          ({"SPECEXTEND_PRELOAD": "yes"}, "0 or 1")):
@@ -280,13 +284,20 @@ def test_preloading_loads_the_default_pair_before_serving_and_a_failure_stops_st
 
 
 def test_the_servers_input_cap_refuses_a_longer_prompt_with_a_message():
-    from app.ui import SessionState, Studio
+    from app.ui import DEFAULT_TASK, SessionState, Studio
 
     studio = Studio(fake_factory(), Settings(max_input_tokens=40))
     out = list(studio.run(SessionState(), DOC, "Summarize.", BUNDLED, "specextend", [], "0.3", *KNOBS.values()))
     assert "this server reads inputs of up to 40 tokens" in html.unescape(out[-1][0])
     info = studio.document_info(DOC, BUNDLED)
-    assert "this server reads documents of up to 40 tokens" in info and "too long" in info
+    assert "this server reads prompts (the document, the template and the task) of up to 40 tokens" in info
+    assert "too long" in info
+    # a document just under the cap whose prompt is over it: the readout says so, as the run's refusal does
+    words = studio.pairs.peek(Settings().pair(BUNDLED)).codec.count(DOC)
+    near = Studio(fake_factory(), Settings(max_input_tokens=words + 2))
+    refused = list(near.run(SessionState(), DOC, DEFAULT_TASK, BUNDLED, "specextend", [], "0.3", *KNOBS.values()))
+    assert f"inputs of up to {words + 2:,} tokens" in html.unescape(refused[-1][0])
+    assert "too long" in near.document_info(DOC, BUNDLED)
 
 
 def test_launch_never_shares():

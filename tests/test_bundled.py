@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 from specextend.tools import bundled, needle
-from specextend.models import load_model, read_output_vocab
+from specextend.models import load_model
+from specextend.vocab import read_output_vocab
 
 # ---------------------------------------------------------------- needle (pure text)
 

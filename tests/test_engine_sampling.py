@@ -14,7 +14,8 @@ from specextend.config import DraftConfig, preset
 from specextend.engine import generate
 from specextend.events import Drafted
 from specextend.metrics import node_depths
-from specextend.models import ReducedVocabHead, make_pair
+from specextend.models import make_pair
+from specextend.vocab import ReducedVocabHead
 
 V = 6
 DRAFT_OUTPUT_IDS = (0, 2, 3, 5)  # the reduced-vocabulary draft: q is zero for tokens 1 and 4

@@ -15,7 +15,8 @@ from conftest import VOCAB, reference_greedy, tiny
 from specextend.config import DraftConfig, preset
 from specextend.engine import generate
 from specextend.events import Drafted
-from specextend.models import DRAFT_VOCAB_FILE, SKINNY_ROWS, ReducedVocabHead, SkinnyLinear, load_model, make_pair, prepare
+from specextend.models import SKINNY_ROWS, SkinnyLinear, load_model, make_pair, prepare
+from specextend.vocab import DRAFT_VOCAB_FILE, ReducedVocabHead
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -61,6 +61,17 @@ def test_a_llama3_style_template_writes_its_start_once_is_asked_not_to_think_and
     assert prompting.stop_ids(tokenizer, SimpleNamespace(eos_token_id=7)) == (2, 7)  # a bare config reads too
 
 
+def test_the_document_is_found_where_the_request_starts_not_in_the_system_prompt():
+    tokenizer = AutoTokenizer.from_pretrained(bundled.draft_dir())  # its template opens with a system prompt
+    assert "helpful AI assistant" in prompting.render(tokenizer, "x", "y")
+    for document in ("assistant", "You are a helpful"):
+        prompt = prompting.encode(tokenizer, document, "Repeat it.", marks={"word": document.split()[-1]})
+        a, b = prompt.document_span
+        before = tokenizer.decode(prompt.ids[:a])
+        assert tokenizer.decode(prompt.ids[a:b]).strip() == document and before.rstrip().endswith("user"), before
+        assert prompt.marks["word"][0] >= a
+
+
 @settings(max_examples=200, deadline=None)
 @given(n=st.integers(1, 120), limit=st.integers(1, 140), needle_at=st.integers(0, 119), keep_head=st.integers(0, 40),
        template=st.booleans())

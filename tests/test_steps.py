@@ -104,3 +104,20 @@ def test_gpu_check_quick_runs_every_section(tmp_path):
     assert f"{report['lengths'][-1]} tokens ran" in report["criteria"]
     text = (tmp_path / "gpu_check.md").read_text()
     assert "PROJECTION (not measured)" in text and "| tokens |" in text
+
+
+def test_a_dropped_models_runners_are_not_kept_even_when_a_late_run_hands_one_back():
+    """Changing pairs forgets the old models' kept runners; a run still going on the old pair hands its runner back
+    later, and that one must not be kept either (it would hold the old weights for the life of the process)."""
+    import weakref
+    from types import SimpleNamespace
+
+    model = torch.nn.Linear(2, 2)
+    runner = SimpleNamespace(mode="captured", model=model, sizes=(1, 2), slots=64)
+    key = (id(model), runner.sizes)
+    steps.release(runner)
+    assert steps._FREE.get(key) is runner
+    steps.forget((weakref.ref(model),))
+    assert key not in steps._FREE
+    steps.release(runner)  # the late run ends
+    assert key not in steps._FREE

@@ -29,6 +29,7 @@ MAX_ROWS = 240  # the most recent retrievals drawn in the heatmap
 SELECTED = "#1d3557"
 OUTLINE = "#e63946"
 FAR = "#2a9d8f"  # kept chunks a recency window of the same size would not hold
+NEXT_STEP = {"stepOffset": 1}  # a click on a retrieval's row is the step after it, whose draft read that cache
 
 
 def chunk_grid(r: Retrieved) -> tuple[tuple[int, int], ...]:
@@ -173,7 +174,8 @@ def lookup_spec(events: Sequence[Event], decode: Decode, chunk_size: int = 32) -
     heat = {"type": "heatmap", "x": columns, "y": [step for step, _ in shown], "z": rows,
             "colorscale": [[0.0, "#e9eef3"], [1.0, STATUS_COLORS["copied"]]], "zmin": 0.0, "zmax": 1.0,
             "showscale": False, "xgap": 1 if n <= 120 else 0, "ygap": 1 if len(shown) <= 60 else 0,
-            "hovertemplate": "step %{y} copied from chunk %{x}: %{z:.0f}<extra></extra>", "yaxis": "y2"}
+            "hovertemplate": "step %{y} copied from chunk %{x}: %{z:.0f}<extra></extra>", "yaxis": "y2",
+            "meta": {"stepOffset": 0}}  # a click on a row is that step
     total = sum(len(o) for _, o in copies(events))
     headline = (f"Lookup: {total} accepted token(s) copied, from {sum(c > 0 for c in counts)} of {n} chunks<br>"
                 f"<span style='font-size:12px'>{_copy_headline(latest, total, sequence, prompt_len, decode)}</span>")
@@ -293,13 +295,14 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
         "ygap": 1 if len(shown) <= 60 else 0,
         "hovertemplate": "after step %{y}, chunk %{x}: %{z:.0f} (1 = in working cache, 2 = reached back)<extra></extra>",
         "yaxis": "y2",
+        "meta": NEXT_STEP,
     }
     said = {  # a mark left of each row: hover it to read what the output said by then
         "type": "scatter", "mode": "markers", "x": [-1.5 * width] * len(shown), "y": [r.step for r in shown],
         "yaxis": "y2", "marker": {"symbol": "triangle-right", "size": 8, "color": "#52606d"},
         "hovertext": [f"output after step {r.step}: …{hover_text(decode(_output_until(events, r.step)[-16:]), limit=120)}"
                       for r in shown],
-        "hoverinfo": "text",
+        "hoverinfo": "text", "meta": NEXT_STEP,
     }
     bought = dict(retrieval_yield(events))
     right, data = 0.5, []

@@ -108,4 +108,6 @@ def step_html(events: Sequence[Event], step: int, decode: Decode) -> str:
             verdict += (f" where the draft had guessed <s style='color:{STATUS_COLORS['rejected']}'>"
                         f"{_quote(decode, guess)}</s>")
         parts.append(verdict)
+    if step == last and any(r.step >= step for r in of(events, Retrieved)):  # ② shows the end of the run
+        parts.append("after it, a last retrieval (the one ② shows) chose a working cache no draft read")
     return f"<div class='se-step'>{head}: {'; '.join(parts)}.</div>"

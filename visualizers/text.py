@@ -50,7 +50,8 @@ def output_html(events: Sequence[Event], decode: Decode, at_step: int | None = N
         drafted = [d for d in of(events, Drafted) if d.step == at_step]
         guess = guessed(drafted[0] if drafted else None, verified[0]) if verified else ()
         if guess:
-            parts.append(f"<s class='se-guess' title='step {at_step}: X'>{html.escape(decode(list(guess)))}</s>")
+            parts.append(f"<s class='se-guess' title='step {at_step}: the draft guessed this; the target wrote the "
+                         f"last token of the step instead'>{html.escape(decode(list(guess)))}</s>")
     reason = stop_reason(events)
     note = {"running": "…", "stopped": " ⏹ stopped", "eos": "", "max_new_tokens": " [token limit]"}.get(reason, "")
     body = "".join(parts) or f"<i>{html.escape(waiting_for(events))}</i>"

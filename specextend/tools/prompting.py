@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 DEFAULT_INSTRUCTION = "Summarize the document above in a few sentences."
-KEEP_HEAD = 256  # tokens of the document's start kept when its middle is dropped
+KEEP_HEAD = 256  # tokens of the prompt's start kept (at most half the limit) when the document's middle is dropped
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,9 @@ def encode(tokenizer, document: str, instruction: str, marks: dict[str, str] | N
     enc = tokenizer(text, add_special_tokens=not has_template(tokenizer), return_offsets_mapping=True)
     ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
     body = document.strip()
-    at = text.find(body) if body else -1
+    # the document where the request's content starts (a system prompt before it may contain the same words)
+    at = text.find(f"{body}\n\n{instruction.strip()}") if body else -1
+    at = text.rfind(body) if body and at < 0 else at
     span = _locate(offsets, at, at + len(body)) if at >= 0 else None
     spans = {}
     for name, passage in (marks or {}).items():
