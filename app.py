@@ -18,7 +18,8 @@ from app import Settings, build_app, launch, real_factory  # noqa: E402  (after 
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("app").setLevel(logging.INFO)  # the app's own progress (a preload), not every HTTP request
     try:
         settings = Settings.from_env()
         demo = build_app(partial(real_factory, dtype=settings.dtype), settings)
