@@ -141,6 +141,10 @@ def test_a_race_draws_every_panel(studio_url, browser, engine):
     curves = [t["name"] for t in plot_data(page, "throughput-plot") if t["type"] == "scatter"]
     assert curves == ["SpecExtend + lookup", "speculative (full draft cache)"]  # lookup is added to the main run
     assert "speedup" in page.inner_text("#readout")
+    # the live run, once finished, can be stepped through like a replayed one: the control offers both runs
+    page.wait_for_selector("#stepper", state="visible", timeout=30_000)
+    assert f"Step {verified[-1]} of {verified[-1]}" in page.inner_text("#step-info")
+    assert page.locator("#step-run input[type=radio]").count() == 2
 
     OUT.mkdir(exist_ok=True)
     page.screenshot(path=str(OUT / f"studio-{engine}.png"), full_page=True)
