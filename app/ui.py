@@ -6,7 +6,9 @@ and the panels are redrawn from snapshots, throttled so drawing costs generation
 from __future__ import annotations
 
 import html
+import itertools
 import logging
+import threading
 import tempfile
 import time
 from collections import deque
@@ -162,6 +164,7 @@ class Studio:
         self.settings = settings
         self.pairs = PairCache(factory)
         self.trace_dir = Path(tempfile.mkdtemp(prefix="specextend-traces-"))
+        self._exports, self._exported = threading.Lock(), itertools.count(1)
         self.generations: deque[Job] = deque(maxlen=64)  # recent generation jobs, for the waiting user's estimate
 
     # --- the queue -------------------------------------------------------------------------------
@@ -352,11 +355,16 @@ class Studio:
                 return
 
     def _export(self, runs, decode, meta: dict[str, Any]) -> str:
-        """Write the trace for download; only the most recent KEEP_TRACES files are kept."""
-        path = self.trace_dir / f"specextend-trace-{time.strftime('%Y%m%d-%H%M%S')}-{id(runs) % 10000}.json"
-        path.write_text(dumps(runs, decode, meta), encoding="utf-8")
-        for old in sorted(self.trace_dir.glob("*.json"), key=lambda f: f.stat().st_mtime)[:-KEEP_TRACES]:
-            old.unlink(missing_ok=True)
+        """Write the trace for download under a name no other export takes; only the most recent KEEP_TRACES files
+        are kept. Runs finishing at once export one at a time (one sweeping while another writes lost a file)."""
+        text = dumps(runs, decode, meta)
+        with self._exports:
+            number = next(self._exported)
+            path = self.trace_dir / f"specextend-trace-{time.strftime('%Y%m%d-%H%M%S')}-{number}.json"
+            path.write_text(text, encoding="utf-8")
+            written = lambda f: int(f.stem.rsplit("-", 1)[1])  # noqa: E731  (the export's number)
+            for old in sorted(self.trace_dir.glob("specextend-trace-*.json"), key=written)[:-KEEP_TRACES]:
+                old.unlink(missing_ok=True)
         return str(path)
 
     # --- stepping through a finished run ----------------------------------------------------------

@@ -22,7 +22,7 @@ from app.runner import Knobs, build_config
 from app.settings import BUNDLED, parse_pairs
 from app.trace import TraceError, loads
 
-from fixtures.fake_engine import fake_factory
+from fixtures.fake_engine import fake_factory, fake_generate
 
 ROOT = Path(__file__).parent.parent
 DOC = " ".join(f"word{i}" for i in range(1500))
@@ -447,3 +447,32 @@ def test_the_app_stops_where_the_cli_stops():
     model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 9]), config=SimpleNamespace(eos_token_id=2))
     assert Codec(tokenizer, stop_ids(tokenizer, model)).eos_ids == (2, 7, 9)
     assert Codec(tokenizer).eos_ids == (2,)  # the fake engine's codec: the tokenizer's alone
+
+
+def test_runs_finishing_at_once_export_their_traces_without_losing_one(monkeypatch):
+    """Eight runs export at once, over and over: each gets its own file, none fails, and the newest KEEP_TRACES stay
+    (a sweep of old traces while another run wrote had failed one run with 'No such file or directory')."""
+    from app import ui
+    from app.ui import Studio
+
+    monkeypatch.setattr(ui, "KEEP_TRACES", 5)
+    studio = Studio(fake_factory(), Settings())
+    config = build_config("autoregressive", Knobs(max_new_tokens=4))
+    events = {"autoregressive": list(fake_generate(list(range(100, 140)), config))}
+    paths, errors = [], []
+
+    def export():
+        for _ in range(10):
+            try:
+                paths.append(studio._export(events, lambda ids: "x" * len(ids), {}))
+            except OSError as exc:
+                errors.append(exc)
+
+    threads = [threading.Thread(target=export) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(set(paths)) == 80
+    kept = sorted(studio.trace_dir.glob("*.json"))
+    assert len(kept) == 5 and {str(p) for p in kept} == set(sorted(paths, key=lambda p: int(p[:-5].rsplit("-", 1)[1]))[-5:])
