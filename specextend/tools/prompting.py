@@ -2,7 +2,8 @@
 
 One path for the CLI, the benchmark and the app. The request is the document, a blank line and the instruction,
 written by the tokenizer's chat template when it has one (templates with a thinking mode are asked not to think:
-a summary should start with the summary), else as plain text after the tokenizer's own start token. Truncation
+a summary should start with the summary), else as plain text after the tokenizer's own start token. Text that
+spells a special token inside the document stays text. Truncation
 drops the document's middle, never the template or the instruction. A run stops on the union of the end ids the
 generation config, the model config and the tokenizer name.
 Knows tokenizers and configs; knows nothing of weights, the engine or any UI.
@@ -30,8 +31,27 @@ def has_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+def control_strings(tokenizer) -> list[str]:
+    """The texts the tokenizer reads as its special tokens (the template's turn markers, end of text, ...)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    found = {t.content for t in added.values() if getattr(t, "special", False)}
+    found |= set(getattr(tokenizer, "all_special_tokens", ()))
+    return sorted((t for t in found if len(t) > 1), key=len, reverse=True)
+
+
+def defuse(tokenizer, text: str) -> str:
+    """`text` with every special token's text broken by a zero-width space after its first character, so that a
+    document quoting "<|im_end|>" stays text and cannot end the user's turn or open another."""
+    for token in control_strings(tokenizer):
+        if token in text:
+            text = text.replace(token, f"{token[0]}\u200b{token[1:]}")
+    return text
+
+
 def render(tokenizer, document: str, instruction: str) -> str:
-    """The request as text: the chat template's rendering, or the plain prompt (document, blank line, instruction)."""
+    """The request as text: the chat template's rendering, or the plain prompt (document, blank line, instruction).
+    The document and the instruction are user text: their special-token strings are defused."""
+    document, instruction = defuse(tokenizer, document), defuse(tokenizer, instruction)
     content = f"{document.strip()}\n\n{instruction.strip()}"
     if has_template(tokenizer):
         return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
@@ -51,6 +71,7 @@ def encode(tokenizer, document: str, instruction: str, marks: dict[str, str] | N
     (a passage not found, or dropped by truncation, is left out). With `limit`, a longer prompt loses the middle of
     its document (`truncate`)."""
     text = render(tokenizer, document, instruction)
+    document, instruction = defuse(tokenizer, document), defuse(tokenizer, instruction)  # as `render` wrote them
     # a template writes its own special tokens; a plain prompt takes the tokenizer's start token
     enc = tokenizer(text, add_special_tokens=not has_template(tokenizer), return_offsets_mapping=True)
     ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
@@ -61,6 +82,7 @@ def encode(tokenizer, document: str, instruction: str, marks: dict[str, str] | N
     span = _locate(offsets, at, at + len(body)) if at >= 0 else None
     spans = {}
     for name, passage in (marks or {}).items():
+        passage = defuse(tokenizer, passage)
         found = body.find(passage) if passage else -1
         located = _locate(offsets, at + found, at + found + len(passage)) if found >= 0 and at >= 0 else None
         if located is not None:
