@@ -152,9 +152,14 @@ CLICK_TO_STEP = """
 """
 
 
+def _payload(figure: bytes) -> PlotData:
+    """A figure serialised once with orjson, as a ready Plot payload."""
+    return PlotData(type="plotly", plot=figure.decode())
+
+
 def _plot(spec: dict[str, Any] | None) -> Any:
-    """A figure dict as a ready Plot payload (serialised once with orjson), or left as it is."""
-    return gr.skip() if spec is None else PlotData(type="plotly", plot=orjson.dumps(spec).decode())
+    """A figure dict as a ready Plot payload, or left as it is."""
+    return gr.skip() if spec is None else _payload(orjson.dumps(spec))
 
 
 class Studio:
@@ -208,10 +213,12 @@ class Studio:
         if loaded is None:
             return (f"<div class='se-muted'>{len(text):,} characters, about {len(text) // 4:,} tokens (estimated; the "
                     "exact count and the model's limit show once the model is loaded).</div>")
-        n = loaded.codec.count(text)
+        # one tokenization: what a run checks is the whole prompt (the template and a task around the document), here
+        # with the default task; the document's own tokens are its span in it
+        prompt = loaded.codec.prompt(text, DEFAULT_TASK)
+        n = prompt.document_span[1] - prompt.document_span[0]
         limit, what = self.input_limit(loaded)
-        # what a run checks: the whole prompt (the template and a task around the document), here with the default task
-        over = len(loaded.codec.prompt(text, DEFAULT_TASK).ids) >= limit
+        over = len(prompt.ids) >= limit
         style = "se-bad" if over else "se-muted"
         note = " — too long; shorten it." if over else ""
         shorter = loaded.draft_positions
@@ -340,7 +347,7 @@ class Studio:
                     values.append(gr.skip())
                 else:
                     sent[i] = value
-                    values.append(PlotData(type="plotly", plot=value.decode()) if isinstance(value, bytes) else value)
+                    values.append(_payload(value) if isinstance(value, bytes) else value)
             meter.drew()
             if export is not None:
                 download = gr.skip()
@@ -370,7 +377,7 @@ class Studio:
     # --- stepping through a finished run ----------------------------------------------------------
     @staticmethod
     def _finished(state: SessionState | None) -> Job | None:
-        """The session's last job, if it finished with runs to step through."""
+        """The session's last job, if it finished with runs to step through (they no longer change: no snapshot)."""
         job = state.job if state is not None else None
         return job if job is not None and job.done.is_set() and job.runs and job.codec is not None else None
 
@@ -379,7 +386,7 @@ class Studio:
         job = self._finished(state)
         if job is None:
             return gr.Group(visible=False), gr.skip(), gr.skip(), ""
-        runs = job.snapshot()
+        runs = job.runs
         primary = job.methods[0] if job.methods and job.methods[0] in runs else next(iter(runs))
         last = last_step(runs[primary])
         return (gr.Group(visible=True), gr.Radio(choices=[(label(m), m) for m in runs], value=primary),
@@ -388,7 +395,7 @@ class Studio:
     def at_step(self, state: SessionState, method: str, step: float) -> tuple:
         """Every panel as of `step` of the run `method`, and that step in words (STEP_PANELS' order)."""
         job = self._finished(state)
-        runs = job.snapshot() if job is not None else {}
+        runs = job.runs if job is not None else {}
         if method not in runs:
             return tuple(gr.skip() for _ in range(STEP_PANELS))
         step = max(0, min(int(step or 0), last_step(runs[method])))
@@ -398,7 +405,7 @@ class Studio:
 
     def _last(self, state: SessionState, method: str) -> int:
         job = self._finished(state)
-        runs = job.snapshot() if job is not None else {}
+        runs = job.runs if job is not None else {}
         return last_step(runs[method]) if method in runs else 0
 
     def step_by(self, delta: int) -> Callable[..., tuple]:

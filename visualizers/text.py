@@ -9,9 +9,10 @@ from __future__ import annotations
 import html
 from typing import Sequence
 
-from specextend.events import Drafted, Event, Finished, Prefilling, Started, Verified
+from specextend.events import Event, Finished, Prefilling, Started
 
 from .common import STATUS_COLORS, Decode, guessed, of, segments, stop_reason
+from .steps import focus
 
 LEGEND = (
     "<div class='se-legend'>"
@@ -46,9 +47,8 @@ def output_html(events: Sequence[Event], decode: Decode, at_step: int | None = N
             where = "first token, from the prefill" if step < 0 else f"step {step}: the target's token"
             parts.append(f"<span class='se-target' title='{where}'>{text}</span>")
     if at_step is not None and at_step > 0:
-        verified = [v for v in of(events, Verified) if v.step == at_step]
-        drafted = [d for d in of(events, Drafted) if d.step == at_step]
-        guess = guessed(drafted[0] if drafted else None, verified[0]) if verified else ()
+        step = focus(events, at_step)
+        guess = guessed(step.drafted, step.verified) if step.verified else ()
         if guess:
             parts.append(f"<s class='se-guess' title='step {at_step}: the draft guessed this; the target wrote the "
                          f"last token of the step instead'>{html.escape(decode(list(guess)))}</s>")

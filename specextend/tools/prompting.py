@@ -39,10 +39,10 @@ def control_strings(tokenizer) -> list[str]:
     return sorted((t for t in found if len(t) > 1), key=len, reverse=True)
 
 
-def defuse(tokenizer, text: str) -> str:
-    """`text` with every special token's text broken by a zero-width space after its first character, so that a
-    document quoting "<|im_end|>" stays text and cannot end the user's turn or open another."""
-    for token in control_strings(tokenizer):
+def defuse(text: str, controls: list[str]) -> str:
+    """`text` with every special token's text (`control_strings`) broken by a zero-width space after its first
+    character, so that a document quoting "<|im_end|>" stays text and cannot end the user's turn or open another."""
+    for token in controls:
         if token in text:
             text = text.replace(token, f"{token[0]}\u200b{token[1:]}")
     return text
@@ -51,7 +51,12 @@ def defuse(tokenizer, text: str) -> str:
 def render(tokenizer, document: str, instruction: str) -> str:
     """The request as text: the chat template's rendering, or the plain prompt (document, blank line, instruction).
     The document and the instruction are user text: their special-token strings are defused."""
-    document, instruction = defuse(tokenizer, document), defuse(tokenizer, instruction)
+    controls = control_strings(tokenizer)
+    return _write(tokenizer, defuse(document, controls), defuse(instruction, controls))
+
+
+def _write(tokenizer, document: str, instruction: str) -> str:
+    """`render` of a document and an instruction already defused."""
     content = f"{document.strip()}\n\n{instruction.strip()}"
     if has_template(tokenizer):
         return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
@@ -70,8 +75,9 @@ def encode(tokenizer, document: str, instruction: str, marks: dict[str, str] | N
     """Tokenize the request; the token spans of the document and of each marked passage's first occurrence in it
     (a passage not found, or dropped by truncation, is left out). With `limit`, a longer prompt loses the middle of
     its document (`truncate`)."""
-    text = render(tokenizer, document, instruction)
-    document, instruction = defuse(tokenizer, document), defuse(tokenizer, instruction)  # as `render` wrote them
+    controls = control_strings(tokenizer)
+    document, instruction = defuse(document, controls), defuse(instruction, controls)
+    text = _write(tokenizer, document, instruction)
     # a template writes its own special tokens; a plain prompt takes the tokenizer's start token
     enc = tokenizer(text, add_special_tokens=not has_template(tokenizer), return_offsets_mapping=True)
     ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
@@ -82,7 +88,7 @@ def encode(tokenizer, document: str, instruction: str, marks: dict[str, str] | N
     span = _locate(offsets, at, at + len(body)) if at >= 0 else None
     spans = {}
     for name, passage in (marks or {}).items():
-        passage = defuse(tokenizer, passage)
+        passage = defuse(passage, controls)
         found = body.find(passage) if passage else -1
         located = _locate(offsets, at + found, at + found + len(passage)) if found >= 0 and at >= 0 else None
         if located is not None:
