@@ -650,24 +650,27 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
                          api_visibility="private", show_progress="hidden")
         stepper_after = dict(fn=studio.stepper, inputs=state, outputs=[stepper, step_run, step, step_info], queue=False,
                              api_visibility="private", show_progress="hidden")
-        run_btn.click(studio.run, [state, document, task, pair, method, race, charts, *knobs], outputs, api_name="run",
-                      concurrency_limit=settings.concurrency, concurrency_id="generate", show_progress="minimal",
-                      ).then(studio.document_info, [document, pair], doc_info, queue=False, show_progress="hidden",
-                             api_visibility="private",  # the exact token count, now that the model is loaded
-                             ).then(**stepper_after)
+        # the step control: hidden while a run or a replay goes (the first link of its chain, so it cannot land after
+        # the control is shown again), shown once it has finished
+        hide_stepper = dict(fn=lambda: (gr.Group(visible=False), gr.Timer(active=False), "▶ play", False), inputs=None,
+                            outputs=[stepper, timer, play_btn, playing], queue=False, api_visibility="private",
+                            show_progress="hidden")
+        run_btn.click(**hide_stepper).then(
+            studio.run, [state, document, task, pair, method, race, charts, *knobs], outputs, api_name="run",
+            concurrency_limit=settings.concurrency, concurrency_id="generate", show_progress="minimal",
+        ).then(studio.document_info, [document, pair], doc_info, queue=False, show_progress="hidden",
+               api_visibility="private",  # the exact token count, now that the model is loaded
+               ).then(**stepper_after)
         stop_btn.click(studio.stop, state, status, api_name="stop", queue=False)
         n_run.click(studio.needle, [state, n_hay, n_length, n_depth, n_seed, n_topk, n_new, pair],
                     [n_status, n_info, n_grid, n_answers, n_heads, n_cmr, n_paper, n_stream], api_name="needle",
                     concurrency_limit=settings.concurrency, concurrency_id="generate", show_progress="minimal")
         n_stop.click(studio.stop, state, n_status, api_name="needle_stop", queue=False)
-        replay_btn.click(studio.replay, [state, trace_file, pace, charts], outputs, api_name="replay", concurrency_limit=4,
-                         concurrency_id="replay", show_progress="minimal").then(**stepper_after)
+        replay_btn.click(**hide_stepper).then(
+            studio.replay, [state, trace_file, pace, charts], outputs, api_name="replay", concurrency_limit=4,
+            concurrency_id="replay", show_progress="minimal").then(**stepper_after)
 
-        # the step control: shown once a run or a replay has finished, hidden while the next one runs
         panels = [output, exact, retrieval, far, acceptance, throughput, step_info]  # STEP_PANELS, in at_step's order
-        for button in (run_btn, replay_btn):
-            button.click(lambda: (gr.Group(visible=False), gr.Timer(active=False), "▶ play", False), None,
-                         [stepper, timer, play_btn, playing], queue=False, api_visibility="private")
         page = dict(api_visibility="private", show_progress="hidden")
         step.release(studio.at_step, [state, step_run, step], panels, **page)
         prev_btn.click(studio.step_by(-1), [state, step_run, step], [step, *panels], **page)
