@@ -15,7 +15,7 @@ argmax. Batches come in four kinds:
 - --online-share: random 512-token windows of the training text labelled by the target in the same
   step; the loss is against the target's whole softmax (over the output vocabulary). The target's
   forward is most of such a step, so --replay N adds N steps on windows labelled earlier in the run
-  (online and on-policy ones), trained on the target's top --replay-k log-probs kept from then.
+  (online and on-policy ones), trained on the target's top REPLAY_K log-probs kept from then.
 - --policy-share: on-policy chat windows: a chat-template prompt (a training-text passage and an
   instruction, as scripts/chat_samples.py builds them) followed by the draft's OWN sampled answer,
   labelled by the target in the same step like an online window, prompt and answer alike. The draft
@@ -27,8 +27,7 @@ argmax. Batches come in four kinds:
 Online, on-policy and text windows come from the text sources of --corpus (scripts/pd_corpus.py
 SOURCES) in the shares it gives: each batch draws its source, and on-policy prompts are made from
 each source in proportion.
-With --init, --grow N deepens the loaded draft to N layers first (grow_layers: each new block starts as an
-identity, so training resumes from the same predictions with more capacity).
+The draft starts fresh, from --init (a previous run's folder) or from --cut (the target's own layers).
 The learning rate follows a cosine over the wall-clock budget, so a run of --minutes ends annealed.
 Every --save-every minutes and at the end the weights are written (bfloat16 safetensors) to --out
 with the tokenizer files and a training record (train_record.json).
@@ -48,6 +47,7 @@ import random
 import shutil
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -60,6 +60,9 @@ from specextend.models import SHARED_EMBEDDING, cuts_from_target, share_embeddin
 from specextend.vocab import DRAFT_VOCAB_FILE, read_output_vocab
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+CHAT_WEIGHT = 2.0  # how much likelier a chat teacher row is drawn than a text one
+POLICY_MAX_NEW = 128  # the longest draft answer in an on-policy window
+REPLAY_K = 64  # the target's top log-probs kept per position of a window labelled for replay
 
 
 def draft_config(target_cfg, layers: int, hidden: int, heads: int, kv_heads: int, ff: int):
@@ -102,43 +105,14 @@ def cut_target(target, keep: list[int]):
     norm. The embedding (tied to the output layer) stays the target's: frozen here, not saved, and filled in
     from the target when the draft is loaded (config `shared_embedding`)."""
     model = copy.deepcopy(target)
-    restack(model, [model.model.layers[i] for i in keep], keep)
-    setattr(model.config, SHARED_EMBEDDING, True)
-    return model
-
-
-def restack(model, blocks: list, sources: list[int]) -> None:
-    """Make `blocks` the model's decoder stack; block j came from old block sources[j], whose layer type it keeps."""
     types = getattr(model.config, "layer_types", None)
-    model.model.layers = torch.nn.ModuleList(blocks)
-    for j, block in enumerate(blocks):
+    model.model.layers = torch.nn.ModuleList(model.model.layers[i] for i in keep)
+    for j, block in enumerate(model.model.layers):
         block.self_attn.layer_idx = j
-    model.config.num_hidden_layers = len(blocks)
-    if types:
-        model.config.layer_types = [types[i] for i in sources]
-
-
-def grow_layers(model, total: int):
-    """Deepen `model` to `total` layers without changing its function: each new block copies the input
-    weights of the block it follows (norms, q/k/v, gate/up) and starts with zero output projections
-    (o_proj, down_proj), so it adds nothing to the residual stream until training moves those. The new
-    blocks are spread evenly through the stack."""
-    layers = list(model.model.layers)
-    extra = total - len(layers)
-    if extra < 0:
-        raise ValueError(f"cannot grow {len(layers)} layers to {total}")
-    after = [math.ceil((i + 1) * len(layers) / (extra + 1)) - 1 for i in range(extra)]  # each follows this block
-    grown, sources = [], []
-    for i, layer in enumerate(layers):
-        copies = after.count(i)
-        grown.append(layer)
-        for _ in range(copies):
-            block = copy.deepcopy(layer)
-            torch.nn.init.zeros_(block.self_attn.o_proj.weight)
-            torch.nn.init.zeros_(block.mlp.down_proj.weight)
-            grown.append(block)
-        sources += [i] * (1 + copies)
-    restack(model, grown, sources)
+    model.config.num_hidden_layers = len(keep)
+    if types:  # each kept block keeps its layer type
+        model.config.layer_types = [types[i] for i in keep]
+    setattr(model.config, SHARED_EMBEDDING, True)
     return model
 
 
@@ -244,15 +218,6 @@ def draft_answers(model, prompts: list[list[int]], rows, window: int, max_new: i
     return out, mask
 
 
-def batch_of(rows, pick, device):
-    """Teacher rows `pick` as (ids, top-k ids, top-k log-probs, loss mask) on `device`: (B, T) and (B, T, K)."""
-    ids = torch.stack([rows[i][1] for i in pick]).long()
-    tid = torch.stack([rows[i][2] for i in pick]).long()
-    tlp = torch.stack([rows[i][3] for i in pick]).float()
-    mask = torch.stack([rows[i][4] for i in pick])
-    return ids.to(device), tid.to(device), tlp.to(device), mask.to(device)
-
-
 def ranked_vocab(size: int, text: torch.Tensor, rows, vocab_size: int, corpus_share: float = 0.75) -> list[int]:
     """`size` output token ids: the most frequent in the training text and the target's chat answers
     (`corpus_share` of them), then the lowest ids not yet taken (a BPE vocabulary's ids follow its merge
@@ -314,7 +279,9 @@ def masked_mean_and_agreement(per, logits, target_top, mask):
     return (per * m).sum() / m.sum(), agree
 
 
-def loss_fn(logits, tid, tlp, mask, ce_weight: float):
+def topk_loss(logits, tid, tlp, mask, ce_weight: float):
+    """Distillation on stored labels: cross-entropy of the draft against the target's top-k distribution
+    (renormalised over those k tokens), plus `ce_weight` times the cross-entropy on the target's argmax."""
     logq = torch.log_softmax(logits.float(), dim=-1)  # (B, T, V)
     p = torch.softmax(tlp, dim=-1)  # (B, T, K) target top-k, renormalised
     q_on_top = logq.gather(-1, tid)  # (B, T, K)
@@ -345,7 +312,8 @@ def save(model, out: Path, record: dict, sub: list[int] | None) -> None:
     shutil.rmtree(tmp)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[tuple[str, float]]]:
+    """The run's flags, checked, and its corpus mix ([(source, share)])."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--minutes", type=float, default=40.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -358,7 +326,6 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=60)
     ap.add_argument("--ce-weight", type=float, default=0.2)
-    ap.add_argument("--chat-weight", type=float, default=2.0, help="sampling weight of a chat row vs a text row")
     ap.add_argument("--text-share", type=float, default=0.5,
                     help="share of batches of plain text with next-token cross-entropy (cheap: no target)")
     ap.add_argument("--online-share", type=float, default=0.0,
@@ -367,16 +334,14 @@ def main() -> None:
     ap.add_argument("--policy-share", type=float, default=0.0,
                     help="share of batches of chat prompts answered by the draft itself and labelled by the target "
                          "in the same step (on-policy distillation; costs a target forward per batch)")
-    ap.add_argument("--policy-max-new", type=int, default=128, help="longest draft answer in an on-policy window")
     ap.add_argument("--policy-temperature", type=float, default=1.0)
     ap.add_argument("--offsets", choices=("aligned", "random"), default="aligned",
                     help="online and text windows: the fixed 512-token cuts of each text, or random offsets into "
                          "those cuts laid end to end (every pass sees new cuts; a window may span two texts)")
     ap.add_argument("--replay", type=int, default=0,
                     help="after each step, this many extra steps on windows labelled earlier (online and "
-                         "on-policy), trained on the target's top --replay-k log-probs kept from when they were "
+                         "on-policy), trained on the target's top log-probs kept from when they were "
                          "labelled (the target's forward is most of a step's cost)")
-    ap.add_argument("--replay-k", type=int, default=64)
     ap.add_argument("--corpus", default="shakespeare:1",
                     help="text sources and their shares of the text, online and on-policy windows, e.g. "
                          "shakespeare:0.5,sotu:0.5 (sources: scripts/pd_corpus.py SOURCES)")
@@ -392,106 +357,252 @@ def main() -> None:
     ap.add_argument("--cut", default=None,
                     help="start from the target's own layers listed here (e.g. 0,1,2,3), its embedding and final "
                          "norm; the embedding stays the target's (frozen, not saved)")
-    ap.add_argument("--grow", type=int, default=0,
-                    help="deepen the --init draft to this many layers (new blocks start as identities)")
     ap.add_argument("--vocab", type=int, default=0,
                     help="output vocabulary size (0: the target's whole vocabulary); an --init folder's own wins")
-    args = ap.parse_args()
-    if args.grow and not args.init:
-        ap.error("--grow deepens an --init draft")
+    args = ap.parse_args(argv)
     if args.policy_temperature <= 0:
         ap.error("--policy-temperature must be above 0")
     try:
-        mix = parse_mix(args.corpus)
+        return args, parse_mix(args.corpus)
     except ValueError as e:
         ap.error(str(e))
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    dev = torch.device(args.device)
-    rng = random.Random(args.seed)
 
-    from transformers import AutoConfig, LlamaForCausalLM
+
+def load_models(args, tdir: Path, cfg):
+    """(draft, teacher) on the run's device: the draft from --init, --cut or fresh (`cfg`, its embedding the
+    target's projected); the teacher (the target, fp32) only when a batch kind or the draft needs it."""
     from safetensors import safe_open
+    from transformers import LlamaForCausalLM
 
-    tdir = bundled.target_dir()
-    tcfg = AutoConfig.from_pretrained(tdir)
-    cfg = draft_config(tcfg, args.layers, args.hidden, args.heads, args.kv_heads, args.ff)
+    dev = torch.device(args.device)
     teacher = None
     if args.online_share + args.policy_share > 0 or args.cut or (args.init and cuts_from_target(Path(args.init))):
         teacher = LlamaForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval().to(dev)
     if args.init:  # continue a previous run (its architecture wins over the flags)
         model = LlamaForCausalLM.from_pretrained(args.init, dtype=torch.float32)
-        if args.grow:
-            grow_layers(model, args.grow)
-        cfg = model.config
     elif args.cut:
         model = cut_target(teacher, [int(i) for i in args.cut.split(",")])
-        cfg = model.config
     else:
         model = LlamaForCausalLM(cfg)
         with safe_open(str(tdir / "model.safetensors"), "pt") as f:
             init_from_target(model, f.get_tensor("model.embed_tokens.weight"), args.hidden)
         model.tie_weights()
-    if getattr(cfg, SHARED_EMBEDDING, False):  # the target's embedding, as the loader gives it: frozen, never saved
+    if getattr(model.config, SHARED_EMBEDDING, False):  # the target's embedding, as the loader gives it: frozen, never saved
         share_embedding(model, teacher, args.init or "the cut")
         model.get_input_embeddings().weight.requires_grad_(False)
-    model.to(dev)
-    nparams = sum(p.numel() for p in model.parameters())
+    return model.to(dev), teacher
 
-    rows, kinds = load_shards(Path(args.teacher))
-    val = [i for i, r in enumerate(rows) if r[0] == "plain"][-8:]  # held back from training
-    train = [i for i in range(len(rows)) if i not in set(val)]
-    weights = [args.chat_weight if rows[i][0] == "chat" else 1.0 for i in train]
-    window = int(rows[0][1].shape[0])
-    texts = {name: corpus_windows(tdir, window, name) for name, _ in mix}  # source -> (N, window)
-    streams = {name: t.flatten() for name, t in texts.items()}
-    prompts: list[list[int]] = []
-    if args.policy_share > 0:
-        from transformers import AutoTokenizer
 
-        from scripts import chat_samples
+@dataclass
+class Corpus:
+    """What a run trains on: the teacher rows (some held back to validate), the training text as windows
+    per source, and the chat prompts on-policy windows start from."""
 
-        tok = AutoTokenizer.from_pretrained(tdir)
-        prompt_rng = random.Random(args.seed + 1)
-        for name, share in mix:
-            prompts += chat_samples.make_prompts(tok, prompt_rng, round(4000 * share), pd_corpus.SOURCES[name]())
-    sub = read_output_vocab(Path(args.init)) if args.init else None
-    if sub is None and args.vocab:
-        sub = ranked_vocab(args.vocab, torch.cat(list(texts.values())), rows, cfg.vocab_size)
-    sub_t, position = None, None
-    if sub is not None:
-        sub_t = torch.tensor(sub, device=dev)
-        position = torch.full((cfg.vocab_size,), -1, dtype=torch.long, device=dev)
-        position[sub_t] = torch.arange(len(sub), device=dev)
-    windows = {n: len(t) for n, t in texts.items()}
-    print(f"params {nparams} rows {kinds} train {len(train)} val {len(val)} text windows {windows} "
-          f"output vocabulary {len(sub) if sub else cfg.vocab_size}", flush=True)
+    rows: list  # (kind, ids (T,), top ids (T, K), top log-probs (T, K), mask (T,)), from load_shards
+    kinds: dict[str, int]
+    train: list[int]  # indices into rows
+    val: list[int]
+    window: int  # T
+    texts: dict[str, torch.Tensor]  # source -> (N, T)
+    prompts: list[list[int]]
 
+    @classmethod
+    def load(cls, args, mix, tdir: Path) -> Corpus:
+        rows, kinds = load_shards(Path(args.teacher))
+        val = [i for i, r in enumerate(rows) if r[0] == "plain"][-8:]  # held back from training
+        train = [i for i in range(len(rows)) if i not in set(val)]
+        window = int(rows[0][1].shape[0])
+        texts = {name: corpus_windows(tdir, window, name) for name, _ in mix}
+        prompts: list[list[int]] = []
+        if args.policy_share > 0:
+            from transformers import AutoTokenizer
+
+            from scripts import chat_samples
+
+            tok = AutoTokenizer.from_pretrained(tdir)
+            prompt_rng = random.Random(args.seed + 1)
+            for name, share in mix:
+                prompts += chat_samples.make_prompts(tok, prompt_rng, round(4000 * share), pd_corpus.SOURCES[name]())
+        return cls(rows, kinds, train, val, window, texts, prompts)
+
+    def batch(self, pick: list[int], dev, vocab: OutputVocab):
+        """Teacher rows `pick` in output-vocabulary positions, on `dev`: ids (B, T), top ids and top log-probs
+        (B, T, K), loss mask (B, T)."""
+        ids = torch.stack([self.rows[i][1] for i in pick]).long().to(dev)
+        tid = torch.stack([self.rows[i][2] for i in pick]).long().to(dev)
+        tlp = torch.stack([self.rows[i][3] for i in pick]).float().to(dev)
+        mask = torch.stack([self.rows[i][4] for i in pick]).to(dev)
+        return (ids, *to_output_ids(tid, tlp, mask, vocab.position))
+
+
+@dataclass
+class OutputVocab:
+    """The draft's output vocabulary: the token ids it covers, in order (None: every id), as `rows` (V_out,)
+    on the device, and `position` (V,): each id's index among them, -1 outside."""
+
+    ids: list[int] | None
+    rows: torch.Tensor | None = None
+    position: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, ids: list[int] | None, vocab_size: int, dev) -> OutputVocab:
+        if ids is None:
+            return cls(None)
+        rows = torch.tensor(ids, device=dev)
+        position = torch.full((vocab_size,), -1, dtype=torch.long, device=dev)
+        position[rows] = torch.arange(len(ids), device=dev)
+        return cls(ids, rows, position)
+
+
+@dataclass
+class Seen:
+    """Loss positions trained on so far: fresh ones (every kind), and of those the text, online and
+    on-policy ones; replayed ones apart."""
+
+    tokens: int = 0
+    text_tokens: int = 0
+    online_tokens: int = 0
+    policy_tokens: int = 0
+    replay_tokens: int = 0
+
+    def add(self, kind: str, positions: int) -> None:
+        """Count the fresh positions of a text, online or on-policy batch under its kind."""
+        name = {"text": "text_tokens", "online": "online_tokens", "policy": "policy_tokens"}[kind]
+        setattr(self, name, getattr(self, name) + positions)
+
+
+class Batches:
+    """Each step's batch: its kind (drawn by the shares of the flags), then its windows. One random stream
+    draws them all, in the order every earlier run drew them, so a seed still picks the same batches."""
+
+    def __init__(self, args, mix, corpus: Corpus, vocab: OutputVocab, model, tcfg, rng: random.Random):
+        self.args, self.mix, self.corpus, self.vocab, self.model, self.tcfg, self.rng = (
+            args, mix, corpus, vocab, model, tcfg, rng)
+        self.streams = {name: t.flatten() for name, t in corpus.texts.items()}
+        self.weights = [CHAT_WEIGHT if corpus.rows[i][0] == "chat" else 1.0 for i in corpus.train]
+        self.answered: list = []  # (ids (T,), mask (T,)) per on-policy window not yet trained on
+        # a uniform draw below an edge picks that kind, above them all the teacher rows
+        self.edges = list(zip(("policy", "online", "text"),
+                              itertools.accumulate((args.policy_share, args.online_share, args.text_share))))
+
+    def kind(self) -> str:
+        draw = self.rng.random()
+        return next((k for k, edge in self.edges if draw < edge), "teacher rows")
+
+    def policy(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """On-policy windows: chat prompts and the draft's own answers (B, T), with their loss mask."""
+        b = self.args.batch
+        if len(self.answered) < b:  # sampling several at once amortises the draft's decode steps
+            more = draft_answers(self.model, self.rng.sample(self.corpus.prompts, 4 * b), self.vocab.rows,
+                                 self.corpus.window, POLICY_MAX_NEW, self.tcfg.pad_token_id, self.tcfg.eos_token_id,
+                                 self.args.policy_temperature)
+            self.answered += zip(*more)
+        ids, mask = (torch.stack(x) for x in zip(*self.answered[:b]))
+        del self.answered[:b]
+        return ids, mask
+
+    def text(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Windows of training text (B, T), from one source drawn by its share, with their loss mask."""
+        rng, texts, b = self.rng, self.corpus.texts, self.args.batch
+        # one source draws nothing, so runs from before --corpus replay their random stream
+        source = self.mix[0][0] if len(self.mix) == 1 else rng.choices(*zip(*self.mix))[0]
+        ids = (random_windows(self.streams[source], b, self.corpus.window, rng) if self.args.offsets == "random"
+               else texts[source][rng.sample(range(len(texts[source])), b)].long())
+        mask = torch.ones(ids.shape, dtype=torch.bool)
+        mask[:, -1] = False
+        return ids, mask
+
+    def teacher_rows(self, dev):
+        """Teacher rows drawn by weight, in output-vocabulary positions: ids, top ids, top log-probs, mask."""
+        pick = self.rng.choices(self.corpus.train, weights=self.weights, k=self.args.batch)
+        return self.corpus.batch(pick, dev, self.vocab)
+
+
+def labelled_loss(model, teacher, ids, mask, vocab: OutputVocab, ce_weight: float, replay: list | None):
+    """(loss, agreement) of the draft against the target's softmax on windows the target labels now. With a
+    `replay` store, the target's top REPLAY_K log-probs of the windows are kept there for later passes."""
+    with torch.no_grad():
+        teacher_logits = output_logits(teacher, ids, vocab.rows)  # (B, T, V_out)
+    if replay is not None:
+        top = torch.log_softmax(teacher_logits.float(), dim=-1).topk(REPLAY_K, dim=-1)
+        replay += zip(ids.to("cpu", torch.int32), top.indices.to("cpu", torch.int32),
+                      top.values.to("cpu", torch.half), mask.cpu())
+    return online_loss(output_logits(model, ids, vocab.rows), teacher_logits, mask, ce_weight)
+
+
+def fresh_step(kind: str, batches: Batches, model, teacher, replay: list | None, seen: Seen, dev):
+    """The loss of one step's fresh batch of `kind`, and the agreement with the target (None for text)."""
+    args, vocab = batches.args, batches.vocab
+    if kind == "teacher rows":
+        ids, tid, tlp, mask = batches.teacher_rows(dev)
+        loss, agree = topk_loss(output_logits(model, ids, vocab.rows), tid, tlp, mask, args.ce_weight)
+    else:
+        ids, mask = batches.policy() if kind == "policy" else batches.text()
+        ids, mask = ids.to(dev), mask.to(dev)
+        if kind == "text":
+            loss, agree = text_loss(model(input_ids=ids).logits, ids), None  # the full head: real text may be anywhere
+        else:
+            loss, agree = labelled_loss(model, teacher, ids, mask, vocab, args.ce_weight, replay)
+        seen.add(kind, int(mask.sum()))
+    seen.tokens += int(mask.sum())
+    return loss, agree
+
+
+def replay_step(store: list, rng: random.Random, batch: int, model, vocab: OutputVocab, ce_weight: float, dev):
+    """The loss of a batch drawn from windows labelled earlier, and its count of loss positions."""
+    pick = rng.sample(range(len(store)), min(batch, len(store)))
+    ids, tid, tlp, mask = (torch.stack(x).to(dev) for x in zip(*(store[i] for i in pick)))
+    loss, _ = topk_loss(output_logits(model, ids.long(), vocab.rows), tid.long(), tlp.float(), mask, ce_weight)
+    return loss, int(mask.sum())
+
+
+@torch.no_grad()
+def validate(model, corpus: Corpus, vocab: OutputVocab, ce_weight: float, dev) -> tuple[float, float]:
+    """(loss, agreement) on the held-back teacher rows."""
+    model.eval()
+    ids, tid, tlp, mask = corpus.batch(corpus.val, dev, vocab)
+    loss, agree = topk_loss(output_logits(model, ids, vocab.rows), tid, tlp, mask, ce_weight)
+    model.train()
+    return float(loss), float(agree)
+
+
+def learning_rate(args, step: int, frac: float) -> float:
+    """Linear warm-up over --warmup steps, then a cosine from --lr to a tenth of it over the wall-clock budget."""
+    return args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def optimizer(model, lr: float):
+    """AdamW over the trainable weights, with weight decay on matrices only."""
     trained = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in trained if p.dim() >= 2]
-    no_decay = [p for p in trained if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
-    record = {
+    groups = [{"params": [p for p in trained if p.dim() >= 2], "weight_decay": 0.01},
+              {"params": [p for p in trained if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98), eps=1e-8)
+
+
+def run_record(args, mix, cfg, nparams: int, corpus: Corpus, vocab: OutputVocab) -> dict:
+    """The training record saved beside the weights: the architecture, the command and every setting."""
+    return {
         "architecture": "LlamaForCausalLM", "params": nparams, "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
         "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads, "ff": cfg.intermediate_size,
         "cut_from_target": args.cut, "seed": args.seed,
-        "max_positions_trained": int(rows[0][1].shape[0]), "teacher_rows": kinds,
-        "command": "python " + " ".join(sys.argv), "grown_to": args.grow or None,
+        "max_positions_trained": corpus.window, "teacher_rows": corpus.kinds,
+        "command": "python " + " ".join(sys.argv),
         "init": args.init or ("target layers " + args.cut if args.cut else "target embedding PCA"),
         "lr": args.lr, "batch": args.batch,
-        "ce_weight": args.ce_weight, "chat_weight": args.chat_weight, "text_share": args.text_share,
+        "ce_weight": args.ce_weight, "chat_weight": CHAT_WEIGHT, "text_share": args.text_share,
         "online_share": args.online_share,
-        "policy_share": args.policy_share, "policy_max_new": args.policy_max_new,
+        "policy_share": args.policy_share, "policy_max_new": POLICY_MAX_NEW,
         "policy_temperature": args.policy_temperature, "offsets": args.offsets, "corpus": dict(mix),
-        "replay": args.replay, "replay_k": args.replay_k, "threads": args.threads, "device": args.device,
-        "output_vocabulary": len(sub) if sub else cfg.vocab_size, "log": [],
+        "replay": args.replay, "replay_k": REPLAY_K, "threads": args.threads, "device": args.device,
+        "output_vocabulary": len(vocab.ids) if vocab.ids else cfg.vocab_size, "log": [],
     }
-    start = time.time()
-    last_save = start
-    step, tokens, text_tokens, online_tokens, replay_tokens, policy_tokens = 0, 0, 0, 0, 0, 0
-    replay: list = []  # (ids (T,), top ids (T, K), top log-probs (T, K), mask (T,)) per labelled window
-    answered: list = []  # (ids (T,), mask (T,)) per on-policy window not yet trained on
+
+
+def train(args, model, teacher, corpus: Corpus, batches: Batches, record: dict) -> None:
+    """Steps until the wall-clock budget (or --max-steps): a fresh batch, then --replay passes over windows
+    labelled earlier; a log entry every 25 steps, the weights saved every --save-every minutes and at the end."""
+    dev, vocab = torch.device(args.device), batches.vocab
+    opt = optimizer(model, args.lr)
 
     def update(loss):
         opt.zero_grad(set_to_none=True)
@@ -499,94 +610,64 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
 
-    agree = torch.tensor(float("nan"))
-    # a step's batch kind: a uniform draw below an edge picks that kind, above them all the teacher rows
-    edges = list(zip(("policy", "online", "text"),
-                     itertools.accumulate((args.policy_share, args.online_share, args.text_share))))
+    seen, step, agree = Seen(), 0, float("nan")
+    replay: list = []  # (ids (T,), top ids (T, K), top log-probs (T, K), mask (T,)) per labelled window
+    start = last_save = time.time()
     budget = args.minutes * 60
     model.train()
     while True:
         el = time.time() - start
-        frac = min(1.0, el / budget)
-        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        lr = learning_rate(args, step, min(1.0, el / budget))
         for g in opt.param_groups:
             g["lr"] = lr
-        draw = rng.random()
-        kind = next((k for k, edge in edges if draw < edge), "teacher rows")
-        if kind != "teacher rows":
-            if kind == "policy":  # the draft answers chat prompts; the target labels below
-                if len(answered) < args.batch:  # sampling several at once amortises the draft's decode steps
-                    more = draft_answers(model, rng.sample(prompts, 4 * args.batch), sub_t, window,
-                                         args.policy_max_new, tcfg.pad_token_id, tcfg.eos_token_id,
-                                         args.policy_temperature)
-                    answered += zip(*more)
-                ids, mask = (torch.stack(x) for x in zip(*answered[:args.batch]))
-                del answered[:args.batch]
-                policy_tokens += int(mask.sum())
-            else:
-                # one source draws nothing, so runs from before --corpus replay their random stream
-                source = mix[0][0] if len(mix) == 1 else rng.choices(*zip(*mix))[0]
-                ids = (random_windows(streams[source], args.batch, window, rng) if args.offsets == "random"
-                       else texts[source][rng.sample(range(len(texts[source])), args.batch)].long())
-                mask = torch.ones(ids.shape, dtype=torch.bool)
-                mask[:, -1] = False
-            ids, mask = ids.to(dev), mask.to(dev)
-            if kind != "text":
-                with torch.no_grad():
-                    teacher_logits = output_logits(teacher, ids, sub_t)
-                loss, agree = online_loss(output_logits(model, ids, sub_t), teacher_logits, mask, args.ce_weight)
-                if kind == "online":
-                    online_tokens += int(mask.sum())
-                if args.replay:  # keep the target's top log-probs of these windows for later passes
-                    top = torch.log_softmax(teacher_logits.float(), dim=-1).topk(args.replay_k, dim=-1)
-                    replay += zip(ids.to("cpu", torch.int32), top.indices.to("cpu", torch.int32),
-                                  top.values.to("cpu", torch.half), mask.cpu())
-            else:
-                loss = text_loss(model(input_ids=ids).logits, ids)  # the full head: real text may be anywhere
-                text_tokens += int(mask.sum())
-        else:
-            pick = rng.choices(train, weights=weights, k=args.batch)
-            ids, tid, tlp, mask = batch_of(rows, pick, dev)
-            tid, tlp, mask = to_output_ids(tid, tlp, mask, position)
-            loss, agree = loss_fn(output_logits(model, ids, sub_t), tid, tlp, mask, args.ce_weight)
+        loss, fresh_agree = fresh_step(batches.kind(), batches, model, teacher, replay if args.replay else None, seen, dev)
+        agree = agree if fresh_agree is None else fresh_agree
         update(loss)
         for _ in range(args.replay if replay else 0):  # more passes over labels already paid for
-            pick = rng.sample(range(len(replay)), min(args.batch, len(replay)))
-            rids, rtid, rtlp, rmask = (torch.stack(x).to(dev) for x in zip(*(replay[i] for i in pick)))
-            rloss, _ = loss_fn(output_logits(model, rids.long(), sub_t), rtid.long(), rtlp.float(), rmask,
-                               args.ce_weight)
+            rloss, positions = replay_step(replay, batches.rng, args.batch, model, vocab, args.ce_weight, dev)
             update(rloss)
-            replay_tokens += int(rmask.sum())
+            seen.replay_tokens += positions
         step += 1
-        tokens += int(mask.sum())
         done = el >= budget or (args.max_steps and step >= args.max_steps)
         if step % 25 == 0 or done:
-            model.eval()
-            with torch.no_grad():
-                vids, vtid, vtlp, vmask = batch_of(rows, val, dev)
-                vtid, vtlp, vmask = to_output_ids(vtid, vtlp, vmask, position)
-                vloss, vagree = loss_fn(output_logits(model, vids, sub_t), vtid, vtlp, vmask, args.ce_weight)
-            model.train()
-            entry = {"step": step, "minutes": round(el / 60, 2), "tokens": tokens, "text_tokens": text_tokens,
-                     "online_tokens": online_tokens, "policy_tokens": policy_tokens, "replay_tokens": replay_tokens, "lr": lr,
+            vloss, vagree = validate(model, corpus, vocab, args.ce_weight, dev)
+            entry = {"step": step, "minutes": round(el / 60, 2), **asdict(seen), "lr": lr,
                      "loss": round(float(loss.detach()), 4), "agree": round(float(agree), 4),
-                     "val_loss": round(float(vloss), 4), "val_agree": round(float(vagree), 4),
-                     "tok_per_s": round(tokens / max(el, 1e-9), 1)}
+                     "val_loss": round(vloss, 4), "val_agree": round(vagree, 4),
+                     "tok_per_s": round(seen.tokens / max(el, 1e-9), 1)}
             record["log"].append(entry)
             print(json.dumps(entry), flush=True)
         if time.time() - last_save > args.save_every * 60 or done:
             record["train_minutes"] = round((time.time() - start) / 60, 2)
-            record["tokens_seen"] = tokens
-            record["text_tokens_seen"] = text_tokens
-            record["online_tokens_seen"] = online_tokens
-            record["replay_tokens_seen"] = replay_tokens
-            record["policy_tokens_seen"] = policy_tokens
-            record["steps"] = step
-            save(model, Path(args.out), record, sub)
+            record.update({f"{name}_seen": count for name, count in asdict(seen).items()}, steps=step)
+            save(model, Path(args.out), record, vocab.ids)
             last_save = time.time()
             print(f"saved to {args.out}", flush=True)
         if done:
             break
+
+
+def main() -> None:
+    args, mix = parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    from transformers import AutoConfig
+
+    tdir = bundled.target_dir()
+    tcfg = AutoConfig.from_pretrained(tdir)
+    model, teacher = load_models(args, tdir, draft_config(tcfg, args.layers, args.hidden, args.heads, args.kv_heads, args.ff))
+    cfg = model.config
+    corpus = Corpus.load(args, mix, tdir)
+    ids = read_output_vocab(Path(args.init)) if args.init else None
+    if ids is None and args.vocab:
+        ids = ranked_vocab(args.vocab, torch.cat(list(corpus.texts.values())), corpus.rows, cfg.vocab_size)
+    vocab = OutputVocab.of(ids, cfg.vocab_size, args.device)
+    nparams = sum(p.numel() for p in model.parameters())
+    windows = {n: len(t) for n, t in corpus.texts.items()}
+    print(f"params {nparams} rows {corpus.kinds} train {len(corpus.train)} val {len(corpus.val)} text windows {windows} "
+          f"output vocabulary {len(ids) if ids else cfg.vocab_size}", flush=True)
+    batches = Batches(args, mix, corpus, vocab, model, tcfg, random.Random(args.seed))
+    train(args, model, teacher, corpus, batches, run_record(args, mix, cfg, nparams, corpus, vocab))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ draft's own answer from its output vocabulary, cut at eos, with a loss mask over
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -167,35 +168,81 @@ def test_a_draft_cut_from_the_target_ships_without_its_embedding_and_loads_with_
         torch.testing.assert_close(loaded(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("total, order", [(2, [0, 1]), (3, [0, 0, 1]), (5, [0, 0, 0, 1, 1]), (4, [0, 0, 1, 1])])
-def test_growing_a_draft_deepens_it_without_changing_its_output(tmp_path, monkeypatch, total, order):
+def training_target(folder):
+    """A tiny random target with the bundled target's tokenizer (its chat template makes the on-policy
+    prompts), saved under `folder` as the script reads a target."""
+    import shutil
+
+    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+
+    real = AutoConfig.from_pretrained(bundled.target_dir())
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=real.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                      tie_word_embeddings=True, bos_token_id=real.bos_token_id, eos_token_id=real.eos_token_id,
+                      pad_token_id=real.pad_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    for name in train_draft.TOKENIZER_FILES:
+        shutil.copy(bundled.target_dir() / name, folder / name)
+
+
+def teacher_shards(folder, window: int):
+    """Random teacher rows as the data scripts write them: 10 text rows (8 held back) and 3 chat rows."""
+    folder.mkdir()
+    g = torch.Generator().manual_seed(0)
+    for name, n in (("plain-0000", 10), ("chat-0000", 3)):
+        shard = {"input_ids": torch.randint(0, 5000, (n, window), generator=g, dtype=torch.int32),
+                 "topk_ids": torch.randint(0, 5000, (n, window, 4), generator=g, dtype=torch.int32),
+                 "topk_logp": -torch.rand(n, window, 4, generator=g).sort(-1).values.half()}
+        if name.startswith("chat"):
+            shard["mask"] = torch.arange(window).expand(n, window) >= window // 2
+        torch.save(shard, folder / f"{name}.pt")
+
+
+def test_a_training_run_draws_every_batch_kind_saves_a_loadable_draft_and_repeats_with_its_seed(tmp_path, monkeypatch):
+    """The script end to end on a tiny target: every batch kind (on-policy answers, online and text windows,
+    teacher rows, replay) trains, the counters add up, a seed repeats a run exactly, and --init continues it."""
+    from safetensors.torch import load_file
+
     from specextend.models import load_model
+    from specextend.vocab import read_output_vocab
 
-    model = tiny_llama()
-    for p in model.parameters():  # bf16-exact weights: saving loses nothing
-        p.data = p.data.bfloat16().float()
-    old = list(model.model.layers)
-    ids = torch.randint(3, 47, (2, 12), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        want = model(input_ids=ids).logits  # (2, 12, 48)
-    train_draft.grow_layers(model, total)
-    layers = model.model.layers
-    assert model.config.num_hidden_layers == len(layers) == total
-    assert [j.self_attn.layer_idx for j in layers] == list(range(total))
-    kept = [j for j in layers if any(j is o for o in old)]
-    assert kept == old  # the old blocks, in order
-    for j, source in zip(layers, order):  # each new block copies the input side of the block before it
-        assert torch.equal(j.self_attn.q_proj.weight, old[source].self_attn.q_proj.weight)
-        new = not any(j is o for o in old)
-        assert new == bool((j.self_attn.o_proj.weight == 0).all() and (j.mlp.down_proj.weight == 0).all())
-    with torch.no_grad():
-        torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="cannot grow"):
-        train_draft.grow_layers(model, total - 1)
+    target = tmp_path / "target"
+    training_target(target)
+    teacher_shards(tmp_path / "teacher", 512)
+    words = "the king and his court rode out at dawn to meet the army of the north while the queen waited".split()
+    rng = random.Random(0)
+    texts = {name: [(f"{name}:1", "\n".join(" ".join(rng.choices(words, k=12)) for _ in range(400)))]
+             for name in ("a", "b")}
+    monkeypatch.setattr(train_draft.bundled, "target_dir", lambda: target)
+    monkeypatch.setattr(train_draft.pd_corpus, "CACHE", tmp_path)
+    monkeypatch.setattr(train_draft.pd_corpus, "SOURCES", {k: (lambda v=v: v) for k, v in texts.items()})
 
-    monkeypatch.setattr(train_draft.bundled, "target_dir", lambda: tmp_path / "no-tokenizer")
-    train_draft.save(model, tmp_path / "grown", {"steps": 0}, sub=None)
-    loaded = load_model(tmp_path / "grown", torch.device("cpu"), torch.float32)
-    assert loaded.config.num_hidden_layers == total
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+    def run(out, *flags):
+        argv = ["train_draft", "--teacher", str(tmp_path / "teacher"), "--out", str(tmp_path / out), "--batch", "2",
+                "--warmup", "2", "--minutes", "1e9", *flags]  # a budget this long keeps the cosine at its top
+        monkeypatch.setattr("sys.argv", argv)
+        train_draft.main()
+        folder = tmp_path / out
+        return folder, json.loads((folder / "train_record.json").read_text()), load_file(folder / "model.safetensors")
+
+    fresh = ["--layers", "1", "--hidden", "16", "--heads", "2", "--kv-heads", "1", "--ff", "32", "--vocab", "300",
+             "--policy-share", "0.3", "--online-share", "0.3", "--text-share", "0.2", "--replay", "1",
+             "--offsets", "random", "--corpus", "a:1,b:1", "--max-steps", "12", "--seed", "3"]
+    folder, record, weights = run("a", *fresh)
+    seen = {k: record[f"{k}_seen"] for k in ("tokens", "text_tokens", "online_tokens", "policy_tokens", "replay_tokens")}
+    assert record["steps"] == 12 and record["log"][-1]["step"] == 12
+    assert all(seen.values()), seen  # every kind drew at least one batch
+    assert seen["tokens"] > seen["text_tokens"] + seen["online_tokens"] + seen["policy_tokens"]  # and teacher rows
+    assert record["output_vocabulary"] == 300 and len(read_output_vocab(folder)) == 300
+    draft = load_model(folder, torch.device("cpu"), torch.float32)
+    assert draft.config.num_hidden_layers == 1 and draft.config.hidden_size == 16
+
+    _, again, same = run("a-again", *fresh)
+    assert again["log"][-1] == {**record["log"][-1], **{k: again["log"][-1][k] for k in ("minutes", "tok_per_s")}}
+    assert all(torch.equal(same[name], w) for name, w in weights.items())
+
+    _, continued, _ = run("b", "--init", str(folder), "--hidden", "64", "--text-share", "1", "--corpus", "a:1",
+                          "--max-steps", "3")
+    assert continued["hidden"] == 16 and continued["output_vocabulary"] == 300  # the folder's, not the flags'
+    assert continued["text_tokens_seen"] == continued["tokens_seen"] > 0
