@@ -59,12 +59,12 @@ def figures(report: dict) -> dict:
     rows = [r for r in report["cells"] if not r.same_as]
     figs = grid_figures(rows) if rows else {}  # a needle-only run has no grid
     if report.get("needle"):
-        by_depth = report["needle"]["summary"]["by_depth"]
+        by_depth = report["needle"].summary.by_depth
         fig = make_subplots(rows=1, cols=2, subplot_titles=("whole needle in the working cache after the first retrieval",
                                                             "answers holding the value (the draft alone; the target)"))
         for col, key in ((1, "hold_rate"), (2, "accuracy")):
-            for reader in next(iter(by_depth.values()))[key]:
-                fig.add_bar(x=list(by_depth), y=[by_depth[d][key][reader] for d in by_depth], name=f"{reader}",
+            for reader in getattr(next(iter(by_depth.values())), key):
+                fig.add_bar(x=list(by_depth), y=[getattr(by_depth[d], key)[reader] for d in by_depth], name=f"{reader}",
                             legendgroup=reader, showlegend=col == 1 or reader in ("target", "full"), row=1, col=col)
         figs["needle"] = fig.update_layout(title="Needles by depth, per retrieval signal and cache", barmode="group")
     if report.get("sweep"):

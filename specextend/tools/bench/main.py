@@ -21,7 +21,8 @@ from ..kernel_bench import llama
 from .inputs import GreedyMismatch, METHODS, QUICK, QUICK_SHAPE, aliases, cut_text, make_inputs, method_configs
 from .report import plain, table, write_outputs
 from .runs import cells, check_same, goals, run_engine, run_method
-from .sections import needle_case, needle_signals, needle_summary, needle_texts, sweep_configs, sweep_row
+from .sections import (NeedleSection, NeedleSummary, needle_case, needle_signals, needle_texts, sweep_configs,
+                       sweep_row)
 
 
 # ---------------------------------------------------------------- the run
@@ -124,11 +125,11 @@ def run(args, progress) -> dict:
         for i in range(n_needles):
             name = list(texts)[(i // len(depths)) % len(texts)]
             bar.set_description(f"needle {i + 1}/{n_needles}")
-            cases.append({"document": name, **needle_case(pair, tokenizer, signals, texts[name], depths[i % len(depths)],
-                                                          i, args.needle_answer_tokens)})
+            cases.append(needle_case(pair, tokenizer, signals, name, texts[name], depths[i % len(depths)], i,
+                                     args.needle_answer_tokens))
             bar.update()
-        report["needle"] = {"haystack_tokens": args.needle_tokens, "answer_tokens": args.needle_answer_tokens,
-                            "documents": list(texts), "summary": needle_summary(cases, signals), "cases": cases}
+        report["needle"] = NeedleSection(args.needle_tokens, args.needle_answer_tokens, list(texts),
+                                         NeedleSummary.of(cases, signals), cases)
     bar.close()
     report["machine"]["load_average_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     return report
@@ -209,6 +210,6 @@ def main(argv=None) -> int:
         hf_logging.set_verbosity(verbosity)
     print(table(report))
     print(json.dumps(plain({k: v for k, v in report.items() if k != "runs" and k != "needle"}
-                           | {"needle": report.get("needle") and report["needle"]["summary"], "out": str(args.out)})))
+                           | {"needle": report.get("needle") and report["needle"].summary, "out": str(args.out)})))
     return 0
 

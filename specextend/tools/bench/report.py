@@ -129,19 +129,20 @@ def markdown(report: dict) -> str:
         value = "-" if g.value is None else (f"{g.value:.1%}" if "overhead" in g.goal else f"{g.value:.2f}")
         lines.append(f"| {g.goal} | {target} | {value} | {'yes' if g.met else 'no'} |")
     if report.get("needle"):
-        summary = report["needle"]["summary"]
-        depths = list(summary["by_depth"])
-        names = summary["signals"]
-        lines += ["", f"**Needle retrieval**: {summary['needles']} needles in ~{report['needle']['haystack_tokens']}-token "
-                  "haystacks from " + ", ".join(report["needle"]["documents"]) + ". Hold: the whole needle in the working "
+        needle = report["needle"]
+        summary = needle.summary
+        depths = list(summary.by_depth)
+        names = summary.signals
+        lines += ["", f"**Needle retrieval**: {summary.needles} needles in ~{needle.haystack_tokens}-token "
+                  "haystacks from " + ", ".join(needle.documents) + ". Hold: the whole needle in the working "
                   "cache after the first retrieval; answer: the draft alone's answer holds the planted value", "",
                   "| | all | " + " | ".join(f"depth {d}" for d in depths) + " |", "|---" * (2 + len(depths)) + "|"]
         for key, verb in (("hold_rate", "hold"), ("accuracy", "answer")):
-            for reader, value in summary[key].items():
+            for reader, value in getattr(summary, key).items():
                 label = {"target": "the target (ceiling)", "full": "full cache", "streaming": "StreamingLLM"}.get(
                     reader, f"CMR, {reader} signal" + (f" ({names[reader]})" if names.get(reader, reader) != reader else ""))
                 lines.append(f"| {verb}: {label} | {value:.0%} | "
-                             + " | ".join(f"{summary['by_depth'][d][key][reader]:.0%}" for d in depths) + " |")
+                             + " | ".join(f"{getattr(summary.by_depth[d], key)[reader]:.0%}" for d in depths) + " |")
     if report.get("sweep"):
         lines += ["", f"**Retrieval settings**: specextend on {report['sweep_input']}", "",
                   "| setting | decode tok/s | e2e tok/s | mean accepted | CMR share | retrievals |", "|---|---|---|---|---|---|"]
@@ -162,10 +163,10 @@ def table(report: dict) -> str:
                      f"{fmt(r.e2e_tokens_per_s):>18} {speedups} {fmt(r.mean_accepted, 2):>17} "
                      f"{'-' if not share else format(share.median, '.1%'):>9}")
     if report.get("needle"):
-        summary = report["needle"]["summary"]
-        lines.append(f"needle ({summary['needles']} needles, ~{report['needle']['haystack_tokens']} tokens): hold "
-                     + ", ".join(f"{k} {v:.0%}" for k, v in summary["hold_rate"].items()) + "; answers "
-                     + ", ".join(f"{k} {v:.0%}" for k, v in summary["accuracy"].items()))
+        summary = report["needle"].summary
+        lines.append(f"needle ({summary.needles} needles, ~{report['needle'].haystack_tokens} tokens): hold "
+                     + ", ".join(f"{k} {v:.0%}" for k, v in summary.hold_rate.items()) + "; answers "
+                     + ", ".join(f"{k} {v:.0%}" for k, v in summary.accuracy.items()))
     for s in report.get("sweep") or []:
         lines.append(f"sweep {s.setting:<44} decode {fmt(s.decode_tokens_per_s)} tok/s, "
                      f"accepted {fmt(s.mean_accepted, 2)}, CMR share {s.cmr_overhead_share.median:.1%}")

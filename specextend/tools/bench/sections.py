@@ -50,10 +50,27 @@ def needle_signals(pair: ModelPair, retrieval: RetrievalConfig) -> dict[str, Ret
     return out
 
 
-def needle_case(pair: ModelPair, tokenizer, signals: dict[str, RetrievalConfig], text: str, depth: float, seed: int,
-                answer_tokens: int) -> dict:
-    """One planted needle: does each working cache hold it after the first retrieval, and what does each reader
-    answer (the target; the draft alone from its full cache, StreamingLLM's window, CMR's cache per signal)."""
+@dataclass(frozen=True)
+class NeedleCase:
+    """One planted needle: which working caches hold it whole after the first retrieval, and what each reader
+    answers (the target; the draft alone from its full cache, StreamingLLM's window, CMR's cache per signal)."""
+
+    document: str
+    depth: float  # asked for, as a share of the haystack
+    actual_depth: float  # where the needle landed
+    template: str
+    seed: int
+    prompt_tokens: int
+    needle_span: tuple[int, int]  # the needle's token span in the prompt
+    answer: str  # the planted value
+    held: dict[str, bool]  # working cache -> holds the whole needle
+    answers: dict[str, str]  # reader -> its answer
+    correct: dict[str, bool]  # reader -> its answer holds the planted value
+
+
+def needle_case(pair: ModelPair, tokenizer, signals: dict[str, RetrievalConfig], document: str, text: str, depth: float,
+                seed: int, answer_tokens: int) -> NeedleCase:
+    """Plant one needle in `text` at `depth`, then read it with every cache and reader."""
     prompt = needle_prompt(tokenizer, text, depth, seed)
     _, scores = read_signals(pair, prompt.ids, {k: v.signal for k, v in signals.items()})
     held, answers = {}, {"target": target_answer(pair, prompt.ids, answer_tokens)}
@@ -69,23 +86,50 @@ def needle_case(pair: ModelPair, tokenizer, signals: dict[str, RetrievalConfig],
         answers[name] = draft_answer(pair, config, name, prompt.ids, None, answer_tokens)
     texts = {k: tokenizer.decode(v, skip_special_tokens=True) for k, v in answers.items()}
     planted = prompt.planted
-    return {"depth": depth, "actual_depth": planted.actual_depth, "template": planted.template, "seed": seed,
-            "prompt_tokens": len(prompt.ids), "needle_span": list(prompt.span), "answer": planted.answer,
-            "held": held, "answers": texts, "correct": {k: planted.answer.lower() in v.lower() for k, v in texts.items()}}
+    return NeedleCase(document, depth, planted.actual_depth, planted.template, seed, len(prompt.ids), tuple(prompt.span),
+                      planted.answer, held, texts, {k: planted.answer.lower() in v.lower() for k, v in texts.items()})
 
 
-def needle_summary(cases: list[dict], signals: dict[str, RetrievalConfig]) -> dict:
-    """Hold rate (whole needle in the working cache after the first retrieval) and answer accuracy, overall and by depth."""
-    share = lambda group, key, k: sum(c[key][k] for c in group) / len(group)  # noqa: E731
-    readers = list(cases[0]["correct"])
-    kept = list(cases[0]["held"])
-    depths = sorted({c["depth"] for c in cases})
-    return {"needles": len(cases), "signals": {k: v.signal.name for k, v in signals.items()},
-            "hold_rate": {k: share(cases, "held", k) for k in kept},
-            "accuracy": {k: share(cases, "correct", k) for k in readers},
-            "by_depth": {str(d): {"hold_rate": {k: share([c for c in cases if c["depth"] == d], "held", k) for k in kept},
-                                  "accuracy": {k: share([c for c in cases if c["depth"] == d], "correct", k)
-                                               for k in readers}} for d in depths}}
+@dataclass(frozen=True)
+class NeedleRates:
+    """Over a group of needles: the share each working cache held whole, the share each reader answered right."""
+
+    hold_rate: dict[str, float]
+    accuracy: dict[str, float]
+
+    @classmethod
+    def of(cls, cases: list[NeedleCase]) -> NeedleRates:
+        def share(key: str) -> dict[str, float]:
+            return {k: sum(getattr(c, key)[k] for c in cases) / len(cases) for k in getattr(cases[0], key)}
+
+        return cls(share("held"), share("correct"))
+
+
+@dataclass(frozen=True)
+class NeedleSummary(NeedleRates):
+    """The rates over every needle, and by depth (keyed by the depth as text, as JSON keys go)."""
+
+    needles: int
+    signals: dict[str, str]  # signal label -> the signal it resolved to for the pair
+    by_depth: dict[str, NeedleRates]
+
+    @classmethod
+    def of(cls, cases: list[NeedleCase], signals: dict[str, RetrievalConfig]) -> NeedleSummary:
+        overall = NeedleRates.of(cases)
+        depths = sorted({c.depth for c in cases})
+        return cls(overall.hold_rate, overall.accuracy, len(cases), {k: v.signal.name for k, v in signals.items()},
+                   {str(d): NeedleRates.of([c for c in cases if c.depth == d]) for d in depths})
+
+
+@dataclass(frozen=True)
+class NeedleSection:
+    """The needle section of a report."""
+
+    haystack_tokens: int
+    answer_tokens: int
+    documents: list[str]
+    summary: NeedleSummary
+    cases: list[NeedleCase]
 
 
 def needle_texts(files: list[str] | None) -> dict[str, str]:
