@@ -25,9 +25,7 @@ STRETCHED_ROPE = ("linear", "yarn")  # kinds whose config may give the original 
 class PairFacts:
     """What the configs and tokenizers of a pair say, read before its weights load."""
 
-    shared_vocab: int  # ids both tokenizers define: [0, shared_vocab)
-    target_context: int
-    draft_context: int | None  # None: no draft
+    shared_vocab: int | None  # ids both tokenizers define: [0, shared_vocab); None: no draft
 
 
 def rope_of(config) -> dict:
@@ -103,10 +101,10 @@ def check_pair(target: tuple[Any, Any, str | Path], draft: tuple[Any, Any, str |
     t_config, t_tokenizer, t_source = target
     check_architecture(t_config, t_source)
     if draft is None:  # the target alone: the engine refuses prompt ids past its embedding per request
-        return PairFacts(max(id_table(t_tokenizer)) + 1, context_length(t_config), None)
+        return PairFacts(None)
     d_config, d_tokenizer, d_source = draft
     check_architecture(d_config, d_source)
     vocab = check_tokenizers(t_tokenizer, d_tokenizer)
     check_embedding(t_config, vocab, t_source)
     check_embedding(d_config, vocab, d_source)
-    return PairFacts(vocab, context_length(t_config), context_length(d_config))
+    return PairFacts(vocab)

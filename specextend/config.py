@@ -301,7 +301,7 @@ class GenerationConfig:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         info = METHOD_INFO[self.method]
-        if self.cmr and (not info.draft_model or info.cache is DraftCache.STREAMING):
+        if self.cmr and info.cache in (None, DraftCache.STREAMING):
             raise ValueError(f"cmr cannot be switched on for method {self.method!r}")
         if self.lookup.enabled and self.method == "autoregressive":
             raise ValueError("lookup drafting cannot be switched on for the target alone (use method 'lookup')")

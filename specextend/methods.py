@@ -24,20 +24,24 @@ class MethodInfo:
     short: str  # bar labels
     choice: str  # the app's list of methods
     colour: str
-    draft_model: bool  # a draft model proposes
     cache: DraftCache | None  # its draft cache unless ablated (None: no draft model)
     fast: bool  # fused prefill, the fastest tree kernel and captured steps (SpecExtend's); else transformers' defaults
 
+    @property
+    def draft_model(self) -> bool:
+        """Whether a draft model proposes: the methods with a draft cache."""
+        return self.cache is not None
+
 
 METHOD_TABLE: tuple[MethodInfo, ...] = (
-    MethodInfo("autoregressive", "target alone", "target alone", "the target alone", "#6c757d", False, None, True),
+    MethodInfo("autoregressive", "target alone", "target alone", "the target alone", "#6c757d", None, True),
     MethodInfo("lookup", "lookup drafting alone", "lookup", "lookup drafting alone (copies, no draft model)", "#b5179e",
-               False, None, True),
+               None, True),
     MethodInfo("speculative", "speculative (full draft cache)", "speculative", "standard speculative decoding", "#e76f51",
-               True, DraftCache.FULL, False),
+               DraftCache.FULL, False),
     MethodInfo("streaming", "StreamingLLM draft cache", "streaming", "speculative, StreamingLLM draft cache", "#9b5de5",
-               True, DraftCache.STREAMING, False),
-    MethodInfo("specextend", "SpecExtend", "SpecExtend", "SpecExtend (CMR + fast attention)", "#2a6fdb", True,
+               DraftCache.STREAMING, False),
+    MethodInfo("specextend", "SpecExtend", "SpecExtend", "SpecExtend (CMR + fast attention)", "#2a6fdb",
                DraftCache.CMR, True),
 )
 METHOD_INFO = {m.name: m for m in METHOD_TABLE}
