@@ -218,7 +218,7 @@ class Studio:
         prompt = loaded.codec.prompt(text, DEFAULT_TASK)
         n = prompt.document_span[1] - prompt.document_span[0]
         limit, what = self.input_limit(loaded)
-        over = len(prompt.ids) >= limit
+        over = len(prompt.ids) > limit
         style = "se-bad" if over else "se-muted"
         note = " — too long; shorten it." if over else ""
         shorter = loaded.draft_positions
@@ -228,11 +228,12 @@ class Studio:
         return f"<div class='{style}'>{len(text):,} characters, {n:,} tokens · {what}{note}{draft}</div>"
 
     def input_limit(self, loaded: Loaded) -> tuple[int, str]:
-        """The most prompt tokens a run may read, and how to say it: the target's context, or the server's cap."""
+        """The most prompt tokens a run may read, and how to say it: the server's cap (`check_input` refuses a
+        longer prompt), else the target's context less the one position a new token needs (the job's check)."""
         cap = self.settings.max_input_tokens
         if cap and cap < loaded.max_positions:
             return cap, f"this server reads prompts (the document, the template and the task) of up to {cap:,} tokens"
-        return loaded.max_positions, f"the model's limit is {loaded.max_positions:,} positions (prompt + new tokens)"
+        return loaded.max_positions - 1, f"the model's limit is {loaded.max_positions:,} positions (prompt + new tokens)"
 
     def check_input(self, loaded: Loaded, prompt: Prompt) -> None:
         """Refuse a prompt longer than the server's cap (the model's own limit is the job's to check)."""

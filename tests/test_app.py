@@ -300,6 +300,22 @@ def test_the_servers_input_cap_refuses_a_longer_prompt_with_a_message():
     assert "too long" in near.document_info(DOC, BUNDLED)
 
 
+def test_a_prompt_of_exactly_the_cap_runs_and_the_readout_agrees():
+    """The readout marks a prompt too long exactly when the run refuses it: at the cap it runs, one over it does not."""
+    from app.ui import DEFAULT_TASK, SessionState, Studio
+
+    def click(studio):
+        return html.unescape(list(studio.run(SessionState(), DOC, DEFAULT_TASK, BUNDLED, "autoregressive", [], "0.3",
+                                             *KNOBS.values()))[-1][0])
+
+    probe = Studio(fake_factory(), Settings())
+    click(probe)
+    n = len(probe.pairs.peek(Settings().pair(BUNDLED)).codec.prompt(DOC, DEFAULT_TASK).ids)
+    exact, under = Studio(fake_factory(), Settings(max_input_tokens=n)), Studio(fake_factory(), Settings(max_input_tokens=n - 1))
+    assert "reads inputs of up to" not in click(exact) and "too long" not in exact.document_info(DOC, BUNDLED)
+    assert f"reads inputs of up to {n - 1:,} tokens" in click(under) and "too long" in under.document_info(DOC, BUNDLED)
+
+
 def test_launch_never_shares():
     seen = {}
 
