@@ -92,9 +92,7 @@ class EngineFactory(Protocol):
 
 def real_factory(choice: PairChoice, progress: Progress, dtype: str = "auto") -> Loaded:
     """The bundled pair (prepared on first use) or an allow-listed pair, on the GPU when there is one."""
-    from transformers import AutoTokenizer
-
-    from specextend.models import load_pair
+    from specextend.models import load_pair, read_tokenizer
 
     if choice.bundled:
         from specextend.tools.bundled import draft_dir, target_cache_dir, target_dir
@@ -106,9 +104,9 @@ def real_factory(choice: PairChoice, progress: Progress, dtype: str = "auto") ->
         target, draft = choice.target, choice.draft
     progress(f"Loading the tokenizer of {choice.label}")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=False)
+        tokenizer = read_tokenizer(target)
         progress("Checking that the target and draft share a tokenizer, then loading both models")
-        pair = load_pair(target, draft, dtype=dtype)
+        pair = load_pair(target, draft, dtype=dtype, tokenizer=tokenizer)
     except OSError as exc:
         if os.environ.get("HF_HUB_OFFLINE") == "1" and not choice.bundled:
             raise ValueError(f"{choice.label} is not in the local cache and this server is offline "

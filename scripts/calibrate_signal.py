@@ -33,7 +33,7 @@ from specextend import signal
 from specextend.tools import bundled
 from specextend.tools.bench import cut_text
 from specextend.config import RetrievalConfig, RetrievalSignal
-from specextend.models import load_pair
+from specextend.models import load_pair, read_tokenizer
 from specextend.tools.probe import ALL_HEADS, holds, needle_prompt, read
 from specextend.retrieval import StreamingPolicy, chunk_scores, select_chunks, spread_scores
 
@@ -157,11 +157,9 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    from transformers import AutoTokenizer
-
     target_dir, draft_dir = bundled.default_pair()
-    pair = load_pair(target_dir, draft_dir)
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    tokenizer = read_tokenizer(target_dir)
+    pair = load_pair(target_dir, draft_dir, tokenizer=tokenizer)
     retrieval = RetrievalConfig()
     texts = {d.name: d.text() for d in bundled.documents()}
     lengths = [int(x) for x in args.lengths.split(",")]

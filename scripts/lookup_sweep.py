@@ -36,7 +36,7 @@ from specextend.tools.prompting import DEFAULT_INSTRUCTION, stop_ids
 from specextend.config import LookupConfig, preset
 from specextend.engine import generate
 from specextend.lookup import replay
-from specextend.models import load_pair
+from specextend.models import load_pair, read_tokenizer
 
 NODES = (0, 1, 2, 4, 8, 12, 16, 24, 32, 48)  # node counts whose verification cost is measured
 GRID = dict(max_ngram=(2, 3, 4, 6), min_ngram=(1, 2, 3), max_tokens=(4, 8, 12, 16), branches=(1, 2, 3),
@@ -50,13 +50,11 @@ def outputs(lengths: list[int], max_new_tokens: int, cache: Path, threads: int) 
         stored = json.loads(cache.read_text())
         if stored["key"] == key:
             return stored["cases"]
-    from transformers import AutoTokenizer
-
     if threads:
         torch.set_num_threads(threads)
     target_dir, _ = bundled.default_pair()
-    pair = load_pair(target_dir, None, "cpu", "float32")
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    tokenizer = read_tokenizer(target_dir)
+    pair = load_pair(target_dir, None, "cpu", "float32", tokenizer)
     config = preset("autoregressive", max_new_tokens=max_new_tokens, eos_token_ids=stop_ids(tokenizer, pair.target))
     cases = []
     for doc in bundled.documents():

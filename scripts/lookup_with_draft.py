@@ -26,7 +26,7 @@ from specextend.tools import bundled
 from specextend.tools.bench import make_inputs, make_prompt, run_engine
 from specextend.tools.prompting import DEFAULT_INSTRUCTION, stop_ids
 from specextend.config import LookupConfig, preset
-from specextend.models import load_pair
+from specextend.models import load_pair, read_tokenizer
 
 
 def main(argv=None) -> int:
@@ -46,11 +46,9 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    from transformers import AutoTokenizer
-
     target, draft = bundled.default_pair()
-    pair = load_pair(target, draft, "cpu", "float32")
-    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    tokenizer = read_tokenizer(target)
+    pair = load_pair(target, draft, "cpu", "float32", tokenizer)
     base = dict(max_new_tokens=args.max_new_tokens, eos_token_ids=stop_ids(tokenizer, pair.target))
     lk = LookupConfig(adaptive=args.adaptive)
     fixed = LookupConfig(min_ngram=3, adaptive=False)

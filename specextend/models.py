@@ -13,6 +13,7 @@ import json
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -253,12 +254,14 @@ def make_pair(target: PreTrainedModel, draft: PreTrainedModel | None, load_s: fl
 
 
 def load_pair(
-    target: str | Path, draft: str | Path | None = None, device: str = "auto", dtype: str | torch.dtype = "auto"
+    target: str | Path, draft: str | Path | None = None, device: str = "auto", dtype: str | torch.dtype = "auto",
+    tokenizer: Any = None,
 ) -> ModelPair:
-    """Load both models, once `read_pair` has found them compatible. A target too large for one GPU is spread over
-    all GPUs; the draft sits beside its first layers."""
+    """Load both models, once `read_pair` has found them compatible (`tokenizer`: the target's, when the caller has
+    read it, so it is not read again). A target too large for one GPU is spread over all GPUs; the draft sits beside
+    its first layers."""
     start = time.perf_counter()
-    facts = read_pair(target, draft)
+    facts = read_pair(target, draft, tokenizer)
     dev = choose_device(device)
     dt = choose_dtype(dev, dtype)
     spread = dev.type == "cuda" and torch.cuda.device_count() > 1
@@ -269,21 +272,27 @@ def load_pair(
     return make_pair(target_model, draft_model, time.perf_counter() - start, calibrated, facts.shared_vocab)
 
 
-def read_pair(target: str | Path, draft: str | Path | None = None) -> PairFacts:
-    """Read both configs and both tokenizers (no weights) and decide the pair (`compat.check_pair`); ValueError with
-    the reason when it cannot run."""
+def read_tokenizer(source: str | Path) -> Any:
+    """A model source's tokenizer (a directory, a GGUF file or a folder holding one, or an allowed hub id)."""
+    name, extra = _source_kwargs(source)
+    return AutoTokenizer.from_pretrained(name, trust_remote_code=False, **extra)
 
-    def read(source: str | Path) -> tuple:
+
+def read_pair(target: str | Path, draft: str | Path | None = None, tokenizer: Any = None) -> PairFacts:
+    """Read both configs and both tokenizers (no weights; `tokenizer`: the target's, when the caller has read it)
+    and decide the pair (`compat.check_pair`); ValueError with the reason when it cannot run."""
+
+    def read(source: str | Path, tokenizer: Any = None) -> tuple:
         name, extra = _source_kwargs(source)
         config = AutoConfig.from_pretrained(name, trust_remote_code=False, **extra)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=False, **extra)
+            tokenizer = tokenizer if tokenizer is not None else read_tokenizer(source)
         except (OSError, ValueError) as exc:
             raise ValueError(f"{source}: its tokenizer cannot be read ({exc}); a pair is checked by its tokenizers "
                              "before its weights load") from exc
         return config, tokenizer, source
 
-    return check_pair(read(target), read(draft) if draft is not None else None)
+    return check_pair(read(target, tokenizer), read(draft) if draft is not None else None)
 
 
 def rope_inv_freq(model: PreTrainedModel) -> torch.Tensor:

@@ -42,6 +42,19 @@ def test_same_size_tokenizers_that_differ_are_refused_before_any_weights_load(tm
         load_pair(target, draft, "cpu", "float32")
 
 
+def test_the_target_tokenizer_a_caller_gives_load_pair_is_the_one_checked_and_is_not_read_again(tmp_path, monkeypatch):
+    import specextend.models as models
+
+    target = save(tmp_path / "target", word_tokenizer(), IDS, 1, 2, weights=False)
+    draft = save(tmp_path / "draft", word_tokenizer(), IDS, 2, 1, weights=False)
+    read, real = [], models.read_tokenizer
+    monkeypatch.setattr(models, "read_tokenizer", lambda source: read.append(source.name) or real(source))
+    other = word_tokenizer(words=[w if w != "w7" else "w70" for w in WORDS])
+    with pytest.raises(ValueError, match=r"tokenizers differ \(1 ids\): id 10 is 'w70' in the target's"):
+        load_pair(target, draft, "cpu", "float32", tokenizer=other)
+    assert read == ["draft"]
+
+
 def test_a_draft_without_a_tokenizer_or_too_few_embedding_rows_is_refused(tmp_path):
     target = save(tmp_path / "target", word_tokenizer(), IDS, 1, 2, weights=False)
     short = save(tmp_path / "short", word_tokenizer(), IDS - 3, 2, 1, weights=False)

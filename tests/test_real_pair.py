@@ -4,13 +4,12 @@ greedy output equals the target's own greedy output on a short real prompt, for 
 from __future__ import annotations
 
 import pytest
-from transformers import AutoTokenizer
 
 from conftest import reference_greedy
 from specextend.tools import bundled, prompting
 from specextend.config import DraftConfig, RetrievalConfig, preset
 from specextend.engine import generate
-from specextend.models import load_pair
+from specextend.models import load_pair, read_tokenizer
 
 NEW = 20
 
@@ -18,8 +17,8 @@ NEW = 20
 @pytest.fixture(scope="module")
 def real():
     target, draft = bundled.default_pair()
-    pair = load_pair(target, draft, device="cpu", dtype="float32")
-    tokenizer = AutoTokenizer.from_pretrained(target)
+    tokenizer = read_tokenizer(target)
+    pair = load_pair(target, draft, device="cpu", dtype="float32", tokenizer=tokenizer)
     text = bundled.documents("eval")[0].text()[:1500]
     prompt = prompting.encode(tokenizer, text, prompting.DEFAULT_INSTRUCTION).ids
     return pair, prompt, prompting.stop_ids(tokenizer, pair.target)

@@ -158,13 +158,12 @@ def prompt_from(args: argparse.Namespace, tokenizer, text: str, room: int) -> li
 
 def generate_command(args: argparse.Namespace) -> int:
     import torch
-    from transformers import AutoTokenizer
 
     from . import bundled
     from ..engine import generate
     from ..events import Finished, save_trace
     from ..metrics import summarize
-    from ..models import load_pair
+    from ..models import load_pair, read_tokenizer
 
     text = Path(args.input).read_text(encoding="utf-8")
     if not text.strip():
@@ -172,8 +171,9 @@ def generate_command(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     target, draft = bundled.pair_or_default(args.target, args.draft)
-    pair = load_pair(target, draft if args.method not in ("autoregressive", "lookup") else None, args.device, args.dtype)
-    tokenizer = AutoTokenizer.from_pretrained(target if Path(target).is_dir() else str(target), trust_remote_code=False)
+    tokenizer = read_tokenizer(target)
+    pair = load_pair(target, draft if args.method not in ("autoregressive", "lookup") else None, args.device, args.dtype,
+                     tokenizer)
     config = config_from(args, prompting.stop_ids(tokenizer, pair.target), pair.device.type)
     prompt = prompt_from(args, tokenizer, text, pair.max_positions - config.max_new_tokens)
     trace = list(generate(pair, prompt, config))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .. import bundled, prompting
 from ...config import DraftConfig, RetrievalConfig
-from ...models import ModelPair, load_pair, make_pair
+from ...models import ModelPair, load_pair, make_pair, read_tokenizer
 from ..cli import add_lookup_arguments, add_signal_arguments, lookup_from, signal_from
 from ..kernel_bench import llama
 from .inputs import GreedyMismatch, METHODS, QUICK, QUICK_SHAPE, aliases, cut_text, make_inputs, method_configs
@@ -31,16 +31,14 @@ from .sections import (NeedleSection, NeedleSummary, needle_case, needle_signals
 def load(args) -> tuple[ModelPair, object, tuple[int, ...]]:
     """(pair, tokenizer, stop ids): tiny random-init models with the bundled draft's tokenizer (--quick), or real
     models."""
-    from transformers import AutoTokenizer
-
     if args.quick:  # the draft is a copy of the target, so drafts are accepted and every path runs
-        tokenizer = AutoTokenizer.from_pretrained(bundled.draft_dir())
+        tokenizer = read_tokenizer(bundled.draft_dir())
         target = llama(QUICK_SHAPE, len(tokenizer), torch.float32, "cpu", seed=1, max_positions=4096)
         pair = make_pair(target, copy.deepcopy(target))
     else:
         target, draft = bundled.pair_or_default(args.target, args.draft)
-        pair = load_pair(target, draft, args.device, args.dtype)
-        tokenizer = AutoTokenizer.from_pretrained(str(target))
+        tokenizer = read_tokenizer(target)
+        pair = load_pair(target, draft, args.device, args.dtype, tokenizer)
     return pair, tokenizer, prompting.stop_ids(tokenizer, pair.target)
 
 
