@@ -75,7 +75,8 @@ def run(args, progress) -> dict:
     runs, references = [], {}
     for name in measured if inputs else ():  # warm-up: every method once on a short input
         bar.set_description(f"warm-up {name}")
-        short = inputs[0]["prompt"][:128] + inputs[0]["prompt"][-128:]  # its start and its end (the instruction)
+        first = inputs[0]["prompt"]
+        short = first if len(first) <= 256 else first[:128] + first[-128:]  # its start and its end (the instruction)
         run_method(pair, short, name, configs[name] and configs[name].replace(max_new_tokens=8), 8, eos)
         bar.update()
     for item in inputs:
