@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from specextend.events import Drafted, Event, Finished, Prefilled, Retrieved, Verified
+from specextend.metrics import committed_curve
 
 from .common import STATUS_COLORS, Decode, guessed, method_of, of
 from .retrieval import changed
@@ -40,12 +41,9 @@ def as_of(events: Sequence[Event], step: int) -> list[Event]:
 
 
 def moment(events: Sequence[Event], step: int) -> tuple[float, int]:
-    """(seconds since the request, tokens generated) at the end of `step` (0: the prefill)."""
-    verified = [v for v in of(events, Verified) if v.step <= step]
-    if verified:
-        return verified[-1].t_s, verified[-1].total_new
-    prefilled = of(events, Prefilled)
-    return (prefilled[0].t_s, 1) if prefilled else (0.0, 0)
+    """(seconds since the request, tokens generated) at the end of `step` (0: the prefill): the last point of the
+    throughput curve as of that step."""
+    return ([(0.0, 0)] + committed_curve(as_of(events, step)))[-1]
 
 
 @dataclass(frozen=True)
