@@ -30,8 +30,7 @@ class Codec:
         """`eos_ids`: the tokens a run stops on (the CLI's: the model's and the tokenizer's ends,
         `prompting.stop_ids`); the tokenizer's end of text alone when not given."""
         self.tokenizer = tokenizer
-        eos = tokenizer.eos_token_id
-        self.eos_ids: tuple[int, ...] = eos_ids if eos_ids is not None else () if eos is None else (int(eos),)
+        self.eos_ids: tuple[int, ...] = eos_ids if eos_ids is not None else prompting.stop_ids(tokenizer)
         self._decode = lru_cache(maxsize=65536)(self._decode_ids)
 
     def _decode_ids(self, ids: tuple[int, ...], skip_special: bool = False) -> str:
