@@ -37,6 +37,21 @@ def tiny(family: str = "llama", layers: int = 2, hidden: int = 64, heads: int = 
     return model.float().eval()
 
 
+def save_tiny(path, tokenizer, vocab_rows: int, seed: int, layers: int, weights: bool = True, max_positions: int = 4096,
+              **config):
+    """A tiny Llama folder: config (`config` overrides), `tokenizer` and, unless not `weights`, random weights
+    (seeded by `seed`) with `vocab_rows` embedding rows."""
+    torch.manual_seed(seed)
+    llama = LlamaConfig(vocab_size=vocab_rows, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions, **config)
+    if weights:
+        LlamaForCausalLM(llama).save_pretrained(path)
+    else:
+        llama.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def save_tiny_pair(folder, tokenizer, max_positions: int = 2048, end_ids: tuple[int, ...] = ()) -> list:
     """A tiny target (2 layers) and draft (1 layer) saved with `tokenizer` under `folder`; `end_ids`: a generation
     config listing these end ids beside the tokenizer's."""
@@ -44,15 +59,10 @@ def save_tiny_pair(folder, tokenizer, max_positions: int = 2048, end_ids: tuple[
 
     paths = []
     for seed, layers in ((1, 2), (2, 1)):
-        torch.manual_seed(seed)
-        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions,
-                             tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
-        path = folder / f"model{seed}"
-        LlamaForCausalLM(config).save_pretrained(path)
+        path = save_tiny(folder / f"model{seed}", tokenizer, len(tokenizer), seed, layers, max_positions=max_positions,
+                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
         if end_ids:
             GenerationConfig(eos_token_id=[tokenizer.eos_token_id, *end_ids]).save_pretrained(path)
-        tokenizer.save_pretrained(path)
         paths.append(path)
     return paths
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen2Config
 
-from conftest import reference_greedy, tiny
+from conftest import reference_greedy, save_tiny, tiny
 from specextend import events as ev
 from specextend.compat import check_architecture, context_length
 from specextend.config import DraftConfig, RetrievalConfig, preset
@@ -19,19 +19,9 @@ IDS = len(WORDS)  # the word tokenizer's ids
 
 
 def save(path, tokenizer, vocab_rows: int, seed: int, layers: int, weights: bool = True, max_positions: int = 4096):
-    """A tiny Llama folder: config, tokenizer and (unless not `weights`) random weights with `vocab_rows` rows."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_rows, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions,
-                         initializer_range=0.3, tie_word_embeddings=False)
-    if weights:
-        from transformers import LlamaForCausalLM
-
-        LlamaForCausalLM(config).save_pretrained(path)
-    else:
-        config.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    """A tiny untied Llama folder whose large random weights make every token depend on the context."""
+    return save_tiny(path, tokenizer, vocab_rows, seed, layers, weights, max_positions, initializer_range=0.3,
+                     tie_word_embeddings=False)
 
 
 def test_same_size_tokenizers_that_differ_are_refused_before_any_weights_load(tmp_path):
