@@ -79,7 +79,7 @@ def parse_pairs(text: str) -> tuple[PairChoice, ...]:
         if not sep or not target or not draft:
             raise ValueError(f"SPECEXTEND_PAIRS entry {entry!r} is neither a preset ({', '.join(PRESETS)}) nor of the "
                              "form target+draft")
-        pairs.append(PairChoice(f"{target}+{draft}", f"{target} target + {draft} draft", target, draft))
+        pairs.append(PairChoice(pair_key(entry), f"{target} target + {draft} draft", target, draft))
     return tuple(dict.fromkeys(pairs))  # each once, in order
 
 
