@@ -116,7 +116,8 @@ def real_factory(choice: PairChoice, progress: Progress, dtype: str = "auto") ->
 
 def serve(choice: PairChoice, tokenizer: Any, pair) -> Loaded:
     """A loaded pair and its target's tokenizer, as the app runs them."""
-    from specextend.engine import SharedPrefill, generate
+    from specextend.engine import generate
+    from specextend.target import SharedPrefill
     from specextend.steps import forget
 
     codec = Codec(tokenizer, prompting.stop_ids(tokenizer, pair.target))  # a chat model stops at its end of turn too

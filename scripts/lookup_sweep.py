@@ -70,7 +70,7 @@ def outputs(lengths: list[int], max_new_tokens: int, cache: Path, threads: int) 
 def verify_costs(cases: list[dict], repeats: int, threads: int) -> dict[int, list[float]]:
     """Per length: the target's verification time for each of NODES chain nodes, over the time for none."""
     from specextend.drafting import DraftTree
-    from specextend.engine import Target
+    from specextend.target import Target
 
     if threads:
         torch.set_num_threads(threads)

@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from scripts import pd_corpus
@@ -111,7 +110,7 @@ def build_data(args, tokenizer, model, folder: Path) -> None:
     """Sequences (padded to one width), their loss masks, streams (float16) and the target's top-k log-probs."""
     rng = random.Random(args.seed)
     stream = text_stream(tokenizer)
-    seqs, masks = [], []
+    seqs = []
     for _ in range(args.windows):
         o = rng.randrange(0, len(stream) - args.window)
         seqs.append(stream[o:o + args.window])

@@ -14,7 +14,8 @@ Registered with transformers as the attention implementation "specextend". Each 
 - static: a fixed number of new tokens over a fixed key bucket under a precomputed mask (steps.py), as one
   fused call over key splits merged by their log-sum-exps (flash-decoding), so it can be captured.
 
-It also keeps the queries of the layers retrieval scores from (signal.py), only when retrieval needs them.
+It also keeps the queries of the layers retrieval scores from (signal.py), only when retrieval needs them (the
+residual streams a feature drafter reads are kept by hooks in target.py, into the same `Capture`).
 Grouped-query attention is handled by folding query heads onto their KV head (no repeated KV) wherever all
 queries see the same keys.
 Knows tensors and kernels; knows nothing of drafting, verification or retrieval policy.
@@ -80,11 +81,19 @@ def use_flash_attn(x: torch.Tensor) -> bool:
 
 
 @dataclass
-class QueryCapture:
-    """Holds the queries of some layers from the latest forward: {layer: (B, H_q, T_q, D)}."""
+class Capture:
+    """What the latest forward left for the engine: the queries of some layers {layer: (B, H_q, T_q, D)} (retrieval)
+    and some residual streams {stream: (B, T, H)} (a feature drafter; target.py fills them)."""
 
     layers: frozenset[int]
+    streams: frozenset[int] = frozenset()
     queries: dict[int, torch.Tensor] = field(default_factory=dict)
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple[frozenset[int], frozenset[int]]:
+        """What a forward keeps: a captured step serves only forwards that keep the same."""
+        return self.layers, self.streams
 
 
 @dataclass(frozen=True)
@@ -95,7 +104,7 @@ class AttentionPlan:
     kernel: str  # prefill: "fused" | "eager"; tree: "hybrid" | "onecall" | "masked" | "auto"; static: "split"
     window: int | None = None  # prefill: sliding window (keys at distance < window)
     tree_mask: torch.Tensor | None = None  # tree: (T_q, tail) bool, visibility of the last `tail` keys
-    capture: QueryCapture | None = field(default=None, compare=False)
+    capture: Capture | None = field(default=None, compare=False)
     keys: KeySplits | None = field(default=None, compare=False)  # static: the mask over the key bucket, split
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import TYPE_CHECKING, Iterator, Protocol
 
 import torch
 
@@ -29,6 +29,9 @@ from .models import forward, rope_inv_freq
 from .retrieval import DraftCachePolicy, Selection
 from .steps import StepRunner, make_runner
 from .verification import sampling_probs
+
+if TYPE_CHECKING:
+    from .target import FeatureRows
 
 
 # the working cache's preallocated room, in working caches: a rebuild fills one, and the tokens committed until the
@@ -153,12 +156,14 @@ class Drafter(Protocol):
     cache is rebuilt now (step 0: right after prefill; later, after a step that accepted `accepted` of `depth`).
     `rebuild(token_scores)`: rebuild it, from the target's scores when `needs_scores`.
     `drafts`: whether it proposes at all (the engine reports a drafting phase only then). `runners`: the step
-    runners it holds (steps.py), handed back when the request ends.
+    runners it holds (steps.py), handed back when the request ends. `features`: the target rows it reads
+    (target.FeatureRows, a feature drafter's) or None.
     """
 
     drafts: bool
     needs_scores: bool
     runners: tuple[StepRunner, ...]
+    features: FeatureRows | None
 
     def prefill(self, prompt: list[int], stop) -> Iterator[int]: ...
     def propose(self, room: int, generator: torch.Generator | None) -> DraftTree: ...
@@ -172,6 +177,7 @@ class Cacheless:
 
     needs_scores = False
     runners: tuple[StepRunner, ...] = ()
+    features = None
 
     def due(self, step: int, accepted: int = 0, depth: int = 0) -> bool:
         return False
@@ -195,43 +201,109 @@ class NoDrafter(Cacheless):
         pass
 
 
-class ModelDrafter:
-    """Drafts with a causal LM from a policy-managed working cache."""
+class PolicyDrafter:
+    """What every drafter with a policy-managed working cache shares: the STORE (every committed position's KV, as
+    the drafter first computed it), the WORKING cache it drafts from, when to rebuild it, the rebuild, and growing a
+    tree level by level. Subclasses (the draft model here, a feature drafter in feature_drafting.py) say how a
+    forward runs and what they keep after a step."""
 
     drafts = True
+    features = None
 
-    def __init__(self, model, config: GenerationConfig, policy: DraftCachePolicy, capacity: int) -> None:
-        self.model = model
+    def __init__(self, config: GenerationConfig, policy: DraftCachePolicy, inv_freq: torch.Tensor, store: KVCache,
+                 working: KVCache) -> None:
         self.draft = config.draft
         self.temperature, self.top_p = config.temperature, config.top_p
         self.kernels = config.attention
         self.policy = policy
-        largest = max(self.draft.depth + 1, self.draft.width[0])  # the pending tokens, or one tree level
-        steps = config.attention.steps
-        if policy.name is DraftCache.FULL:
-            self.runner = make_runner(model, capacity, steps, largest)
-            self.store = self.runner.cache
-        else:
-            self.store = KVCache(model.config.num_hidden_layers, capacity)
-            room = WORKING_ROOM * config.retrieval.working_cache
-            self.runner = make_runner(model, min(capacity, room), steps, largest)
-        self.working = self.runner.cache
-        self.runners = (self.runner,)
-        self.inv_freq = rope_inv_freq(model)
-        self.pending: list[int] = []  # committed tokens whose KV the draft has not computed yet
-        self._tree: _Growing | None = None
+        self.inv_freq = inv_freq
+        self.store, self.working = store, working
 
     @property
     def needs_scores(self) -> bool:
         return self.policy.needs_scores
 
     def due(self, step: int, accepted: int = 0, depth: int = 0) -> bool:
-        """After prefill, a working cache to build unless the draft keeps its full cache; after a step, as its
+        """After prefill, a working cache to build unless the drafter keeps its full cache; after a step, as its
         policy says."""
         if step == 0:
             return self.policy.name is not DraftCache.FULL
         self.policy.observe(accepted, depth)
         return self.policy.due(step, self.working.length)
+
+    def _logq(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.temperature == 0.0:
+            return torch.log_softmax(logits, dim=-1)
+        return torch.log(sampling_probs(logits, self.temperature, self.top_p))
+
+    def grow(self, tree: GrowingTree, logits: torch.Tensor, room: int, generator: torch.Generator | None, run) -> GrowingTree:
+        """Grow `tree` (fresh) to at most min(config depth, `room`) levels from the root's `logits` (V,): the `branch` frontier
+        nodes with the highest cumulative log q are fed together through `run(nodes, tokens, positions, plan)` ->
+        logits (len(nodes), V), each getting `children` children, until the node budget, the depth, or the threshold."""
+        cfg: DraftConfig = self.draft
+        branch, children = cfg.width
+        budget = cfg.budget
+        threshold = math.log(cfg.stop_threshold) if cfg.shape == "tree" and cfg.stop_threshold > 0 else -math.inf
+        tree.expand(-1, self._logq(logits), min(children, budget), generator)
+        for level in range(1, min(cfg.depth, room)):
+            room_left = budget - len(tree.tokens)
+            frontier = sorted((i for i, d in enumerate(tree.depths) if d == level), key=lambda i: -tree.cum[i])[:branch]
+            frontier = [i for i in frontier if tree.cum[i] >= threshold]
+            if room_left <= 0 or not frontier:
+                break
+            level_logits = tree.feed(run, frontier, self.kernels.verify)
+            for i, node in enumerate(frontier):
+                room_left = budget - len(tree.tokens)
+                if room_left <= 0:
+                    break
+                tree.expand(node, self._logq(level_logits[i]), min(children, room_left), generator)
+        tree.vocab = logits.shape[-1]
+        return tree
+
+    def settle(self, slot0: int, fed_slots: list[int], new_from: int) -> None:
+        """After a step: the working cache keeps its first `slot0` slots and the fed nodes' `fed_slots`; in a working
+        cache apart from the store, the slots from `new_from` on (this step's new entries) join the store."""
+        self.working.keep(torch.cat([torch.arange(slot0), torch.tensor(fed_slots, dtype=torch.long)]))
+        if self.working is not self.store:
+            new = torch.arange(new_from, self.working.length)
+            self.store.append(self.working.gather(new), self.working.rope_positions[new])
+
+    def rebuild(self, token_scores: torch.Tensor | None) -> tuple[Selection, int]:
+        """Rebuild the working cache from the store as the policy selects: returns (selection, store length)."""
+        seq_len = self.store.length
+        selection = self.policy.select(seq_len, token_scores)
+        positions = selection.positions
+        compact = torch.arange(positions.shape[0])
+        if seq_len == 0:  # a one-token prompt: nothing is stored yet
+            self.working.crop(0)
+            return selection, seq_len
+        kv = self.store.gather(positions)
+        self.working.replace(reposition(kv, self.store.rope_positions[positions], compact, self.inv_freq), compact)
+        return selection, seq_len
+
+
+def working_room(config: GenerationConfig, capacity: int) -> int:
+    """Slots a working cache apart from the store is made with (it grows if a long schedule outruns them)."""
+    return min(capacity, WORKING_ROOM * config.retrieval.working_cache)
+
+
+class ModelDrafter(PolicyDrafter):
+    """Drafts with a causal LM from a policy-managed working cache."""
+
+    def __init__(self, model, config: GenerationConfig, policy: DraftCachePolicy, capacity: int) -> None:
+        self.model = model
+        largest = max(config.draft.depth + 1, config.draft.width[0])  # the pending tokens, or one tree level
+        steps = config.attention.steps
+        if policy.name is DraftCache.FULL:
+            self.runner = make_runner(model, capacity, steps, largest)
+            store = self.runner.cache
+        else:
+            store = KVCache(model.config.num_hidden_layers, capacity)
+            self.runner = make_runner(model, working_room(config, capacity), steps, largest)
+        super().__init__(config, policy, rope_inv_freq(model), store, self.runner.cache)
+        self.runners = (self.runner,)
+        self.pending: list[int] = []  # committed tokens whose KV the draft has not computed yet
+        self._tree: GrowingTree | None = None
 
     # -- prefill ---------------------------------------------------------------------------------------
     def prefill(self, prompt: list[int], stop, block: int = 2048) -> Iterator[int]:
@@ -252,36 +324,16 @@ class ModelDrafter:
     # -- one step --------------------------------------------------------------------------------------
     def propose(self, room: int, generator: torch.Generator | None) -> DraftTree:
         """Feed the pending tokens, then grow a tree of at most min(config depth, `room`) levels from the last one."""
-        cfg: DraftConfig = self.draft
-        depth = min(cfg.depth, room)
-        branch, children = cfg.width
-        budget = cfg.budget
-        threshold = math.log(cfg.stop_threshold) if cfg.shape == "tree" and cfg.stop_threshold > 0 else -math.inf
         base = self.working.length
         m = len(self.pending)
         plan = AttentionPlan("tree", self.kernels.verify, tree_mask=torch.ones(m, m, dtype=torch.bool).tril())
         logits = self.runner.forward(self.pending, torch.arange(base, base + m), plan, 1)
-        tree = _Growing(root_position=base + m - 1, slot0=base + m)
-        tree.expand(-1, self._logq(logits[-1]), min(children, budget), generator)
-        for level in range(1, depth):
-            room = budget - len(tree.tokens)
-            frontier = sorted((i for i, d in enumerate(tree.depths) if d == level), key=lambda i: -tree.cum[i])[:branch]
-            frontier = [i for i in frontier if tree.cum[i] >= threshold]
-            if room <= 0 or not frontier:
-                break
-            logits = tree.feed(self.runner, frontier, self.kernels.verify)
-            for i, node in enumerate(frontier):
-                room = budget - len(tree.tokens)
-                if room <= 0:
-                    break
-                tree.expand(node, self._logq(logits[i]), min(children, room), generator)
-        self._tree = tree
-        return tree.freeze(sampling=generator is not None, vocab=logits.shape[-1])
 
-    def _logq(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.temperature == 0.0:
-            return torch.log_softmax(logits, dim=-1)
-        return torch.log(sampling_probs(logits, self.temperature, self.top_p))
+        def run(nodes: list[int], tokens: list[int], positions: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+            return self.runner.forward(tokens, positions, plan, len(nodes))
+
+        tree = self._tree = self.grow(GrowingTree(base + m - 1, base + m), logits[-1], room, generator, run)
+        return tree.freeze(sampling=generator is not None)
 
     def commit(self, tokens: list[int]) -> None:
         """Keep the KV of the pending tokens and of the fed nodes the committed tokens follow; the rest is pending.
@@ -290,31 +342,12 @@ class ModelDrafter:
         if tree is None:
             self.pending.extend(tokens)
             return
-        base = tree.slot0 - len(self.pending)
         fed = token_path(tree.parents, tree.tokens, tokens, within=tree.slot)  # a fed node's ancestors are fed
-        keep = torch.cat([torch.arange(tree.slot0), torch.tensor([tree.slot[n] for n in fed], dtype=torch.long)])
-        self.working.keep(keep)
-        if self.working is not self.store:
-            new = torch.arange(base, self.working.length)
-            self.store.append(self.working.gather(new), self.working.rope_positions[new])
+        self.settle(tree.slot0, [tree.slot[n] for n in fed], tree.slot0 - len(self.pending))
         self.pending = list(tokens[len(fed):])
 
-    # -- retrieval ---------------------------------------------------------------------------------------
-    def rebuild(self, token_scores: torch.Tensor | None) -> tuple[Selection, int]:
-        """Rebuild the working cache from the store as the policy selects: returns (selection, store length)."""
-        seq_len = self.store.length
-        selection = self.policy.select(seq_len, token_scores)
-        positions = selection.positions
-        compact = torch.arange(positions.shape[0])
-        if seq_len == 0:  # a one-token prompt: nothing is stored yet
-            self.working.crop(0)
-            return selection, seq_len
-        kv = self.store.gather(positions)
-        self.working.replace(reposition(kv, self.store.rope_positions[positions], compact, self.inv_freq), compact)
-        return selection, seq_len
 
-
-class _Growing:
+class GrowingTree:
     """A tree while it grows: node lists plus the draft-cache slot of every node fed to the draft."""
 
     def __init__(self, root_position: int, slot0: int) -> None:
@@ -327,6 +360,7 @@ class _Growing:
         self.q_rows: dict[int, torch.Tensor] = {}  # row (0 root, i+1 node i) -> q the children were drawn from
         self.slot: dict[int, int] = {}  # node -> draft cache slot
         self.forwards = 1
+        self.vocab = 0  # the width of the q rows
 
     def expand(self, node: int, logq: torch.Tensor, n: int, generator) -> None:
         """Give `node` (-1: the root) `n` children drawn from log q (kept as the node's q row when sampling)."""
@@ -341,8 +375,9 @@ class _Growing:
             self.cum.append(parent_cum + float(logq[token]))
             self.probs.append(math.exp(float(logq[token])))
 
-    def feed(self, runner: StepRunner, nodes: list[int], kernel: str) -> torch.Tensor:
-        """One draft forward over `nodes` (all at one depth); each sees its fed ancestors and itself."""
+    def feed(self, run, nodes: list[int], kernel: str) -> torch.Tensor:
+        """One draft forward `run(nodes, tokens, positions, plan)` over `nodes` (all at one depth); each sees its fed
+        ancestors and itself."""
         fed_before = len(self.slot)
         mask = torch.zeros(len(nodes), fed_before + len(nodes), dtype=torch.bool)
         for row, node in enumerate(nodes):
@@ -354,13 +389,12 @@ class _Growing:
             self.slot[node] = self.slot0 + fed_before + row
         positions = torch.tensor([self.root_position + self.depths[n] for n in nodes])
         self.forwards += 1
-        plan = AttentionPlan("tree", kernel, tree_mask=mask)
-        return runner.forward([self.tokens[n] for n in nodes], positions, plan, len(nodes))
+        return run(nodes, [self.tokens[n] for n in nodes], positions, AttentionPlan("tree", kernel, tree_mask=mask))
 
-    def freeze(self, sampling: bool, vocab: int) -> DraftTree:
+    def freeze(self, sampling: bool) -> DraftTree:
         q = None
         if sampling:
-            q = torch.zeros(len(self.tokens) + 1, vocab)
+            q = torch.zeros(len(self.tokens) + 1, self.vocab)
             for row, probs in self.q_rows.items():
                 q[row] = probs
         return DraftTree(tuple(self.tokens), tuple(self.parents), tuple(self.depths), tuple(self.probs), q, self.forwards)

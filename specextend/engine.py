@@ -9,28 +9,23 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from typing import Iterator
 
 import torch
 
-from .attention import AttentionPlan, QueryCapture
-from .config import GenerationConfig, RetrievalSignal
-from .drafting import Drafter, DraftTree, ModelDrafter, NoDrafter, tree_mask
+from .config import GenerationConfig
+from .drafting import Drafter, DraftTree, ModelDrafter, NoDrafter
+from .feature_drafting import FeatureDrafter
+from .heads import EagleHead
 from .lookup import LookupDrafter, MergedDrafter
 from .events import Drafted, Event, Finished, Prefilled, Prefilling, Retrieved, Started, Verified
-from .models import ModelPair, final_layer
+from .models import ModelPair
 from .retrieval import make_policy
-from .signal import QueryWindow, combine, head_scores, kv_heads_of, resolve
-from .steps import make_runner, release
+from .signal import resolve
+from .steps import release
+from .target import SharedPrefill, Target
 from .verification import sampling_probs, verify_greedy, verify_sampling
-
-def prefill_block(device: torch.device) -> int:
-    """The target's prefill block: it bounds memory, and Stop and the progress readout act between blocks. On the
-    project's 2-core CPU, 512-token blocks read 7.5K tokens as fast as 2048-token ones (14.4 against 15.4 s) and
-    report progress every 1.5 s instead of every 5; a GPU reads 2048 at once."""
-    return 2048 if device.type == "cuda" else 512
-
 
 def check_request(pair: ModelPair, prompt_ids: list[int], config: GenerationConfig) -> list[int]:
     """Every reason to refuse a request, raised as ValueError before any model work."""
@@ -51,110 +46,13 @@ def check_request(pair: ModelPair, prompt_ids: list[int], config: GenerationConf
     return prompt
 
 
-@dataclass
-class SharedPrefill:
-    """The target's prefill of one prompt, kept for the next request on the same prompt and kernel (the methods of
-    a race read one document): its KV, its last logits, the query window if one was kept, and what it took."""
-
-    key: tuple = ()
-    kv: list = field(default_factory=list)
-    rope_positions: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-    window: QueryWindow | None = None  # a copy of the scoring heads' queries, when the prefill kept them
-    seconds: float = 0.0
-
-    def serves(self, key: tuple, window: QueryWindow | None) -> bool:
-        """Whether this prefill can stand in for one of prompt and kernel `key` that keeps `window`."""
-        return self.key == key and (window is None or (self.window is not None and self.window.serves(window)))
-
-    def hold(self, target: Target, seconds: float) -> None:
-        """Keep a copy of `target`'s finished prefill (replacing any earlier one); it took `seconds`."""
-        self.key, self.seconds, self.logits = target.read, seconds, target.logits
-        self.kv = target.cache.gather(torch.arange(target.cache.length))
-        self.rope_positions = target.cache.rope_positions.clone()
-        self.window = None if target.window is None else target.window.copy()
-
-
-class Target:
-    """The target model, its KV cache, and (when retrieval scores) the queries of its scoring heads."""
-
-    def __init__(self, model, config: GenerationConfig, capacity: int, signal: RetrievalSignal | None = None) -> None:
-        self.model = model
-        self.kernels = config.attention
-        # verification forwards: one token (autoregressive) or padded to the fixed tree budget
-        self.runner = make_runner(model, capacity, config.attention.steps, config.tree_budget + 1, fixed=True)
-        self.cache = self.runner.cache
-        self.scale = final_layer(model)[1]
-        self.window = self.capture = None
-        if signal is not None:
-            c = model.config
-            heads = signal.head_sets(c.num_hidden_layers, c.num_attention_heads)
-            self.window = QueryWindow(heads, signal.rows)
-            self.capture = QueryCapture(self.window.layers)
-            kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-            self.kv_of = {layer: kv_heads_of(h, c.num_attention_heads, kv) for layer, h in heads.items()}
-            self.combine = signal.combine
-        self.base = 0  # cache slots before the latest verified root
-        self.shared_s: float | None = None  # a prefill copied from SharedPrefill: the seconds the original took
-        self.read: tuple | None = None  # (prompt, prefill kernel) once this target has read a whole prompt
-
-    def prefill(self, prompt: list[int], stop, shared: SharedPrefill | None = None) -> Iterator[int]:
-        """Read the prompt in blocks; the last block's logits are kept for the first token. With `shared`, copy a
-        prefill of the same prompt instead (`self.shared_s` is then what it took)."""
-        key = (tuple(prompt), self.kernels.prefill)
-        if shared is not None and shared.serves(key, self.window):
-            self.cache.replace(shared.kv, shared.rope_positions)
-            self.logits, self.shared_s = shared.logits, shared.seconds
-            if self.window is not None:
-                self.window = shared.window.copy(self.window.rows)
-            yield len(prompt)
-            return
-        plan = AttentionPlan("prefill", self.kernels.prefill, capture=self.capture)
-        size = prefill_block(self.runner.device)
-        for start in range(0, len(prompt), size):
-            if stop is not None and stop.is_set():
-                return
-            block = prompt[start : start + size]
-            positions = torch.arange(start, start + len(block))
-            self.logits = self.runner.forward(block, positions, plan, 1)
-            if self.window is not None:
-                self.window.push(self.capture.queries, torch.arange(len(block)), positions)
-            yield start + len(block)
-        self.read = key
-
-    def verify(self, root: int, tree: DraftTree) -> torch.Tensor:
-        """One forward over [root] + tree nodes: logits (N+1, V)."""
-        base = self.base = self.cache.length
-        positions = base + torch.tensor((0, *tree.depths))
-        plan = AttentionPlan("tree", self.kernels.verify, tree_mask=tree_mask(tree.parents), capture=self.capture)
-        return self.runner.forward([root, *tree.tokens], positions, plan, len(tree.tokens) + 1)
-
-    def commit(self, path: list[int]) -> None:
-        """Keep the prefix, the root and the accepted path; drop the rejected nodes' KV; the read rows join the window."""
-        kept = self.base + 1  # the committed prefix and the root
-        self.cache.keep(torch.cat([torch.arange(kept), kept + torch.tensor(path, dtype=torch.long)]))
-        if self.window is not None:  # the rows of the root and the accepted nodes, at their positions
-            rows = torch.tensor([0, *(n + 1 for n in path)], dtype=torch.long)
-            self.window.push(self.capture.queries, rows, self.base + torch.arange(len(rows)))
-
-    def head_scores(self, rows: int | None = None) -> torch.Tensor:
-        """Each scoring head's attention over every committed token, averaged over the window's last `rows` rows
-        (all when None): (H_sel, T), layer by layer in the window's head order."""
-        w = self.window
-        rows = rows or w.rows
-        return torch.cat([head_scores(w.queries[layer][:, -rows:], self.kv_of[layer], self.cache.layers[layer].filled()[0],
-                                      w.positions[-rows:], self.scale) for layer in sorted(w.layers)])
-
-    def token_scores(self) -> torch.Tensor:
-        """The retrieval signal's score of every committed token: the scoring heads combined, (T,)."""
-        return combine(self.head_scores(), self.combine).cpu()
-
-
 def make_drafter(pair: ModelPair, config: GenerationConfig, capacity: int) -> Drafter:
-    """The draft model (under its cache policy), lookup, both merged into one tree, or nothing (the target alone)."""
+    """The draft (a draft model or an EAGLE head, under its cache policy), lookup, both merged into one tree, or
+    nothing (the target alone)."""
     model = lookup = None
     if config.uses_draft:
-        model = ModelDrafter(pair.draft, config, make_policy(config.draft_cache, config.retrieval), capacity)
+        kind = FeatureDrafter if isinstance(pair.draft, EagleHead) else ModelDrafter
+        model = kind(pair.draft, config, make_policy(config.draft_cache, config.retrieval), capacity)
     if config.uses_lookup:
         lookup = LookupDrafter(config.lookup)
     if model is not None and lookup is not None:
@@ -178,7 +76,7 @@ def generate(
     room = len(prompt) + config.max_new_tokens + config.tree_budget + 2
     drafter = drafter or make_drafter(pair, config, room)
     scored = drafter.needs_scores
-    target = Target(pair.target, config, room, signal if scored else None)
+    target = Target(pair.target, config, room, signal if scored else None, drafter.features)
     try:
         yield Started(t_s=clock(), elapsed_s=0.0, method=config.method, prompt_ids=tuple(prompt), config=asdict(config),
                       target_layers=pair.target.config.num_hidden_layers,

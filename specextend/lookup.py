@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from .config import LookupConfig
-from .drafting import Cacheless, DraftTree, ModelDrafter, graft, token_path
+from .drafting import Cacheless, DraftTree, PolicyDrafter, graft, token_path
 from .retrieval import Selection
 from .verification import verify_greedy
 
@@ -181,9 +181,10 @@ class MergedDrafter:
 
     drafts = True
 
-    def __init__(self, model: ModelDrafter, lookup: LookupDrafter, config: LookupConfig) -> None:
+    def __init__(self, model: PolicyDrafter, lookup: LookupDrafter, config: LookupConfig) -> None:
         self.model, self.lookup, self.config = model, lookup, config
         self.runners = model.runners
+        self.features = model.features
         self.gains: deque[int] = deque(maxlen=GATE_USES)  # accepted draft-model tokens per use
         self.idle = 0  # steps sat out since the gate closed
         self._tree: DraftTree | None = None  # this step's tree, when the draft model helped build it

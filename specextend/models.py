@@ -21,7 +21,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
-from . import attention, signal
+from . import attention, heads, signal
 from .cache import KVCache
 from .compat import PairFacts, check_architecture, check_pair, context_length
 from .config import RetrievalSignal
@@ -212,10 +212,11 @@ def fuses_norms(model: PreTrainedModel) -> bool:
     return next(model.parameters()).is_cuda and attention.TRITON
 
 
-def prepare(model: PreTrainedModel) -> PreTrainedModel:
-    """Route an already-built model's attention through this project's kernels, its few-row products through
-    SkinnyLinear, and (on CUDA with Triton) its RMSNorms through FusedRMSNorm."""
-    model.set_attn_implementation(attention.IMPLEMENTATION)
+def prepare(model: PreTrainedModel | heads.EagleHead) -> PreTrainedModel | heads.EagleHead:
+    """Route an already-built model's attention through this project's kernels (a head's goes there from the
+    start), its few-row products through SkinnyLinear, and (on CUDA with Triton) its RMSNorms through FusedRMSNorm."""
+    if isinstance(model, PreTrainedModel):
+        model.set_attn_implementation(attention.IMPLEMENTATION)
     fuse = fuses_norms(model)
     for module in model.modules():
         if type(module) is torch.nn.Linear:
@@ -242,7 +243,9 @@ def make_pair(target: PreTrainedModel, draft: PreTrainedModel | None, load_s: fl
         if model is not None:
             check_architecture(model.config)
     prepare(target)
-    if draft is not None:
+    if isinstance(draft, heads.EagleHead):  # checked against its target when read (heads.check_head)
+        prepare(draft)
+    elif draft is not None:
         if shared_vocab is None:
             check_vocab(target, draft)
         else:
@@ -267,7 +270,11 @@ def load_pair(
     spread = dev.type == "cuda" and torch.cuda.device_count() > 1
     target_model = load_model(target, dev, dt, device_map="auto" if spread else None)
     first = next(target_model.parameters()).device
-    draft_model = load_model(draft, first, dt, target=target_model) if draft is not None else None
+    head = heads.read_head(draft) if draft is not None else None
+    if head is not None:
+        draft_model = heads.load_head(draft, target_model, first, dt, head)
+    else:
+        draft_model = load_model(draft, first, dt, target=target_model) if draft is not None else None
     calibrated = signal.load(draft, signal.target_shape(target_model)) if draft is not None and Path(draft).is_dir() else None
     return make_pair(target_model, draft_model, time.perf_counter() - start, calibrated, facts.shared_vocab)
 
@@ -292,7 +299,13 @@ def read_pair(target: str | Path, draft: str | Path | None = None, tokenizer: An
                              "before its weights load") from exc
         return config, tokenizer, source
 
-    return check_pair(read(target, tokenizer), read(draft) if draft is not None else None)
+    head = heads.read_head(draft) if draft is not None else None
+    if head is None:
+        return check_pair(read(target, tokenizer), read(draft) if draft is not None else None)
+    read_target = read(target, tokenizer)  # an EAGLE head ships no tokenizer: it reads the target's ids
+    facts = check_pair(read_target, None)
+    heads.check_head(read_target[0], head, draft)
+    return facts
 
 
 def rope_inv_freq(model: PreTrainedModel) -> torch.Tensor:

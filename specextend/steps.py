@@ -131,6 +131,7 @@ class Step:
     logits: torch.Tensor | None = None  # (P, V): the captured forward's output
     graph: torch.cuda.CUDAGraph | None = None
     queries: dict[int, torch.Tensor] = field(default_factory=dict)  # the captured forward's query tensors
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # ... and residual streams
 
 
 class StepRunner:
@@ -161,7 +162,7 @@ class StepRunner:
                 or base + size > layer.keys.shape[2]):
             return forward(self.model, self.cache, tokens, positions, plan, keep)
         bucket = min(-(-(base + size) // BUCKET) * BUCKET, layer.keys.shape[2])
-        step = self._step(size, bucket, layer.keys.data_ptr(), plan.capture.layers if plan.capture is not None else None)
+        step = self._step(size, bucket, layer.keys.data_ptr(), plan.capture.key if plan.capture is not None else None)
         self._fill(step, tokens, positions, plan.tree_mask, base)
         static = replace(plan, kind="static", kernel="split", tree_mask=None, keys=step.keys)
         if self.mode == "static":
@@ -173,14 +174,15 @@ class StepRunner:
             logits = step.logits
             if plan.capture is not None:
                 plan.capture.queries.update(step.queries)
+                plan.capture.hidden.update(step.hidden)
         for kv in self.cache.layers:
             kv.length = base + t
         self.cache.note_appended(positions)
         return logits[t - keep : t].float().cpu()
 
-    def _step(self, size: int, bucket: int, buffer: int, layers: frozenset[int] | None) -> Step:
+    def _step(self, size: int, bucket: int, buffer: int, layers: tuple | None) -> Step:
         # a reallocated cache buffer makes every step captured over the old one stale; a step captured for some
-        # layers' queries serves only requests that keep the same layers' queries
+        # layers' queries (and streams) serves only requests that keep the same
         key = (size, bucket, buffer, layers)
         if key in self.steps:
             self.steps.move_to_end(key)
@@ -237,4 +239,5 @@ class StepRunner:
             step.logits = self._run(step, plan)
         if plan.capture is not None:
             step.queries = {layer: plan.capture.queries[layer] for layer in plan.capture.layers}
+            step.hidden = {stream: plan.capture.hidden[stream] for stream in plan.capture.streams}
         self.captures += 1

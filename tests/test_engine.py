@@ -368,7 +368,7 @@ def test_a_race_prefills_the_target_once(llama_pair, refs):
     """The first request on a prompt keeps the target's prefill; later ones on the same prompt copy it (their
     Prefilled says so and counts the original's time), outputs unchanged. A request that needs the query window
     the copy lacks, or another prompt, prefills again."""
-    from specextend.engine import SharedPrefill
+    from specextend.target import SharedPrefill
 
     prompt = prompt_of(301, seed=7)
     shared = SharedPrefill()
@@ -390,7 +390,7 @@ def test_a_race_prefills_the_target_once(llama_pair, refs):
 
 def test_prefill_progress_moves_in_small_blocks_on_cpu(llama_pair):
     """On CPU the target reads the prompt 512 tokens at a time, so its progress moves every block."""
-    from specextend.engine import prefill_block
+    from specextend.target import prefill_block
 
     assert prefill_block(torch.device("cpu")) == 512 and prefill_block(torch.device("cuda")) == 2048
     trace = run(llama_pair, prompt_of(1300, seed=3), preset("autoregressive", max_new_tokens=2))
@@ -401,7 +401,7 @@ def test_prefill_progress_moves_in_small_blocks_on_cpu(llama_pair):
 def test_a_shared_prefill_serves_a_window_only_when_it_holds_its_rows(llama_pair, refs):
     """A copied prefill must give retrieval the rows a fresh one would: a window of the same heads and at least as
     many rows serves (trimmed to the request's rows); one of fewer rows does not, and the prompt is read again."""
-    from specextend.engine import SharedPrefill
+    from specextend.target import SharedPrefill
 
     prompt = prompt_of(301, seed=11)
     wide, narrow = (RetrievalSignal("w", layers=(), rows=rows) for rows in (16, 4))

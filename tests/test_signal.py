@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from specextend import signal
 from specextend.config import GenerationConfig, RetrievalConfig, RetrievalSignal
 from specextend.drafting import DraftTree
-from specextend.engine import Target
+from specextend.target import Target
 from specextend.models import prepare
 from specextend.retrieval import make_policy
 from specextend.signal import PAPER, UNCALIBRATED, QueryWindow, combine, head_scores, kv_heads_of, resolve, span_mass

@@ -32,7 +32,8 @@ from ..attention import (AttentionPlan, KeySplits, full_tree_mask, hybrid_tree_a
 from ..cache import KVCache
 from ..config import AttentionConfig, DraftConfig, RetrievalConfig, preset
 from ..drafting import tree_mask
-from ..engine import generate, prefill_block
+from ..engine import generate
+from ..target import prefill_block
 from .kernel_bench import check_lossless, llama, random_tree, timed
 from ..metrics import summarize
 from ..models import FusedRMSNorm, check_transformers, forward, make_pair, prepare

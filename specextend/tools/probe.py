@@ -5,7 +5,7 @@ target that keeps the queries of the heads a signal names, `read_signals` one fo
 `head_map` is the share of each head's attention on a span (the layer x head picture), `map_heads` that picture
 with the heads each signal scores with; `holds` says whether a working cache kept a whole span. Everything here
 runs the target's prefill only.
-Knows models through the engine's Target; knows nothing of the UI.
+Knows models through the target module; knows nothing of the UI.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from . import needle, prompting
 from ..config import GenerationConfig, RetrievalSignal
-from ..engine import Target
+from ..target import Target
 from ..models import ModelPair
 from ..signal import combine, span_mass
 
@@ -53,7 +53,7 @@ def read(pair: ModelPair, prompt: list[int], signal: RetrievalSignal, extra: int
 def read_signals(pair: ModelPair, prompt: list[int], signals: dict[str, RetrievalSignal], extra: int = 2
                  ) -> tuple[Target, dict[str, torch.Tensor]]:
     """One prefill for several signals: a target that keeps the union of their heads and rows, and each signal's
-    token scores (T,) as the engine's Target would give them after that prefill."""
+    token scores (T,) as target.Target would give them after that prefill."""
     c = pair.target.config
     pairs = {name: sig.pairs(c.num_hidden_layers, c.num_attention_heads) for name, sig in signals.items()}
     union = sorted({p for heads in pairs.values() for p in heads})
