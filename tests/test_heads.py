@@ -1,0 +1,291 @@
+"""EAGLE heads: published folder layouts load, a head that does not fit its target is refused before its weights
+load, and drafting with a head is lossless (greedy equals the target's own output; sampling keeps its distribution)
+for EAGLE-1 and EAGLE-3 heads, with and without a reduced vocabulary and their own embeddings, chain and tree,
+under the full, StreamingLLM and CMR caches, with and without lookup."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import VOCAB, bigram_target, reference_greedy, tiny
+from safetensors.torch import save_file
+from scipy.stats import chisquare
+from transformers import LlamaConfig
+
+from specextend.config import DraftConfig, LookupConfig, RetrievalConfig, preset
+from specextend.engine import generate
+from specextend.events import Drafted, Verified
+from specextend.feature_drafting import FeatureDrafter
+from specextend.lookup import LookupDrafter, MergedDrafter
+from specextend.heads import EAGLE3_ARCHITECTURE, EagleHead, check_head, load_head, read_head
+from specextend.metrics import node_depths
+from specextend.models import make_pair
+from specextend.retrieval import make_policy
+
+CPU = torch.device("cpu")
+REDUCED = tuple(range(0, VOCAB, 2))  # an EAGLE-3 draft vocabulary: the even ids
+
+
+def head_config(target, draft_vocab: int | None = None, **changes) -> LlamaConfig:
+    c = target.config
+    fields = dict(hidden_size=c.hidden_size, intermediate_size=2 * c.hidden_size, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=c.vocab_size, num_hidden_layers=1, max_position_embeddings=4096,
+                  rms_norm_eps=1e-6, initializer_range=0.3)
+    if draft_vocab is not None:
+        fields["draft_vocab_size"] = draft_vocab
+    return LlamaConfig(**{**fields, **changes})
+
+
+def tiny_head(kind: str, target, reduced: bool = False, own_embedding: bool = False, seed: int = 5) -> EagleHead:
+    """A random head in a published shape; a reduced EAGLE-3 head drafts only REDUCED (d2t: draft id -> offset)."""
+    torch.manual_seed(seed)
+    vocab = len(REDUCED) if reduced else None
+    head = EagleHead(kind, head_config(target, vocab), target, vocab, own_embedding)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+        if reduced:
+            ids = torch.tensor(REDUCED)
+            head.d2t.copy_(ids - torch.arange(len(ids)))
+            head.t2d.zero_()
+            head.t2d[ids] = True
+    return head.eval()
+
+
+def save_published(head: EagleHead, folder, bin_file: bool = False, drop_vocab_map: bool = False):
+    """`head` as its authors publish one: config.json and its weights (safetensors or pytorch_model.bin)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = head.config.to_diff_dict()
+    config = {k: v for k, v in config.items() if not k.startswith("_")}
+    config["architectures"] = [EAGLE3_ARCHITECTURE] if head.kind == "eagle3" else ["LlamaForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(config))
+    state = {k: v.contiguous() for k, v in head.state_dict().items() if not (drop_vocab_map and k in ("d2t", "t2d"))}
+    if bin_file:
+        torch.save(state, folder / "pytorch_model.bin")
+    else:
+        save_file(state, str(folder / "model.safetensors"))
+    return folder
+
+
+# the published layouts the tests load: (kind, reduced vocabulary, own embedding, pytorch_model.bin)
+LAYOUTS = {
+    "eagle1": ("eagle", False, False, False),
+    "eagle1-own-embedding-bin": ("eagle", False, True, True),
+    "eagle3-reduced": ("eagle3", True, False, False),
+    "eagle3-full-vocab-own-embedding-bin": ("eagle3", False, True, True),
+}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny("llama", layers=6, seed=11)
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def head_pair(request, target, tmp_path_factory):
+    kind, reduced, own, bin_file = LAYOUTS[request.param]
+    head = tiny_head(kind, target, reduced, own)
+    folder = save_published(head, tmp_path_factory.mktemp(request.param), bin_file, drop_vocab_map=not reduced)
+    return make_pair(target, load_head(folder, target, CPU, torch.float32))
+
+
+def test_published_layouts_load_to_the_same_head(target, tmp_path):
+    for name, (kind, reduced, own, bin_file) in LAYOUTS.items():
+        head = tiny_head(kind, target, reduced, own)
+        folder = save_published(head, tmp_path / name, bin_file, drop_vocab_map=not reduced)
+        found = read_head(folder)
+        assert found is not None and found.kind == kind
+        loaded = load_head(folder, target, CPU, torch.float32)
+        width = 3 * target.config.hidden_size if kind == "eagle3" else target.config.hidden_size
+        ids, hidden, positions = torch.tensor([[3, 8, 1]]), torch.randn(1, 3, width), torch.arange(3)[None]
+        with torch.no_grad():
+            mask = torch.ones(3, 3, dtype=torch.bool).tril()[None, None]
+            a = head.logits(head(ids, hidden, positions, None, True, mask=mask))
+            b = loaded.logits(loaded(ids, hidden, positions, None, True, mask=mask))
+        assert torch.equal(a, b), name
+        if reduced:  # the head proposes only its draft vocabulary, at the target's ids
+            assert torch.isinf(b[..., 1::2]).all() and torch.isfinite(b[..., ::2]).all()
+
+
+def test_an_ordinary_model_folder_is_not_a_head(tmp_path):
+    tiny("llama", layers=1).save_pretrained(tmp_path)
+    assert read_head(tmp_path) is None
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(hidden_size=32), "hidden size 32"),
+    (dict(hidden_size=32, target_hidden_size=64), "ships no embedding"),
+    (dict(vocab_size=VOCAB + 3), "token ids"),
+    (dict(target_hidden_size=48), "hidden size 48"),
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "RoPE"),
+])
+def test_a_head_that_does_not_fit_is_refused_with_the_reason(target, tmp_path, change, reason):
+    head = tiny_head("eagle3", target)
+    folder = save_published(head, tmp_path / "head")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=reason):
+        check_head(target.config, read_head(folder), folder)
+    with pytest.raises(ValueError, match=reason):  # the loader refuses before reading the weights
+        load_head(folder, target, CPU, torch.float32)
+
+
+def test_an_eagle3_head_needs_a_target_deep_enough(tmp_path):
+    shallow = tiny("llama", layers=3)
+    folder = save_published(tiny_head("eagle3", tiny("llama", layers=6)), tmp_path / "head")
+    with pytest.raises(ValueError, match="layers 2, L//2 and L-3"):
+        check_head(shallow.config, read_head(folder), folder)
+
+
+SMALL_CACHE = RetrievalConfig(chunk_size=4, top_k=4, retrieve_every=2, prefill_window=8, sink_tokens=2)
+SHAPES = {"chain": DraftConfig(shape="chain", k=3),
+          "tree": DraftConfig(shape="tree", max_depth=3, node_budget=8, branch=2, children=2, stop_threshold=0.0)}
+
+
+@pytest.mark.parametrize("method", ["speculative", "streaming", "specextend"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("lookup", [False, True], ids=["model", "with-lookup"])
+def test_greedy_with_a_head_is_the_targets_own_output(head_pair, method, shape, lookup):
+    prompt = [int(t) for t in torch.randint(0, VOCAB, (37,), generator=torch.Generator().manual_seed(3))]
+    config = preset(method, max_new_tokens=24, draft=SHAPES[shape], retrieval=SMALL_CACHE,
+                    lookup=LookupConfig(enabled=lookup or None, draft_gate=0.0))
+    trace = list(generate(head_pair, prompt, config))
+    assert list(trace[-1].token_ids) == reference_greedy(head_pair.target, prompt, 24)
+    drafted = [e for e in trace if isinstance(e, Drafted)]
+    assert drafted and all("draft" in e.sources or "both" in e.sources for e in drafted[:1])
+
+
+def oracle_pair():
+    """A target whose layers add nothing and whose embeddings have RMS 1 (so its final norm changes nothing): its next
+    token is f(last token), and an EAGLE-1 head whose fc passes the embedding through and whose layer adds nothing
+    predicts f(next token) exactly: every draft token is right, at every depth."""
+    target = tiny("llama", layers=2, seed=1)
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        e = target.model.embed_tokens.weight
+        e.div_(e.pow(2).mean(-1, keepdim=True).sqrt())
+    head = tiny_head("eagle", target)
+    with torch.no_grad():
+        h = target.config.hidden_size
+        head.fc.weight.zero_()
+        head.fc.weight[:, :h] = torch.eye(h)
+        head.fc.bias.zero_()
+        head.layers[0].self_attn.o_proj.weight.zero_()
+        head.layers[0].mlp.down_proj.weight.zero_()
+    return make_pair(target, head)
+
+
+@pytest.mark.parametrize("method", ["speculative", "specextend"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_right_head_is_accepted_to_full_depth(method, shape):
+    pair = oracle_pair()
+    prompt = [5, 17, 42, 8, 60, 33, 2, 71, 14, 9, 88, 23, 51, 40, 6, 77, 19]
+    config = preset(method, max_new_tokens=32, draft=SHAPES[shape], retrieval=SMALL_CACHE)
+    trace = list(generate(pair, prompt, config))
+    assert list(trace[-1].token_ids) == reference_greedy(pair.target, prompt, 32)
+    verified = [e for e in trace if isinstance(e, Verified)]
+    assert all(e.num_accepted == 3 for e in verified[:-1])  # every step takes the whole depth-3 draft
+
+
+def stream_pairs(target):
+    """(pair, head, drafter's lookup share) cases: EAGLE-1 and EAGLE-3 heads on a random target (steps seldom accept
+    anything: the streams chosen are what counts), and an EAGLE-1 head beside lookup on a target that repeats itself
+    (steps accept copied nodes, whose rows the target hands over too)."""
+    for kind in ("eagle", "eagle3"):
+        head = tiny_head(kind, target, reduced=kind == "eagle3")
+        yield make_pair(target, head), head, False
+    repeating = bigram_target()
+    head = tiny_head("eagle", repeating)
+    yield make_pair(repeating, head), head, True
+
+
+def test_the_head_reads_the_targets_streams_of_every_committed_token(target):
+    """After a greedy run (full cache) the head's stored keys are the ones a single pass of the head over the whole
+    sequence computes from the target's own hidden states: every feature row sits beside its next token."""
+    for pair, head, lookup in stream_pairs(target):
+        prompt = [int(t) for t in torch.randint(0, VOCAB, (21,), generator=torch.Generator().manual_seed(4))]
+        config = preset("speculative", max_new_tokens=24, draft=SHAPES["tree"],
+                        lookup=LookupConfig(enabled=lookup or None, draft_gate=0.0))
+        drafter = FeatureDrafter(head, config, make_policy(config.draft_cache, config.retrieval), 128)
+        trace = list(generate(pair, prompt, config, drafter=MergedDrafter(drafter, LookupDrafter(config.lookup),
+                                                                        config.lookup) if lookup else drafter))
+        out = list(trace[-1].token_ids)
+        if lookup:
+            assert sum(e.num_accepted for e in trace if isinstance(e, Verified)) >= 5
+        seq = prompt + out
+        with torch.no_grad():
+            hs = pair.target(input_ids=torch.tensor([seq]), output_hidden_states=True).hidden_states
+            feats = hs[-1] if head.kind == "eagle" else torch.cat([hs[i] for i in head.streams], dim=-1)
+            n = drafter.store.length
+            keys = []
+
+            class Keys:
+                def update(self, k, v, layer_idx, **kwargs):
+                    keys.append(k)
+                    return k, v
+
+            mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+            head(torch.tensor([seq[1 : n + 1]]), feats[:, :n], torch.arange(n)[None], Keys(), True, mask=mask)
+        assert n + len(drafter.tokens) == len(seq) - 1  # each token after the first is stored or pending
+        assert n >= len(prompt) - 1 + 8
+        stored = drafter.store.layers[0].filled()[0]
+        assert torch.allclose(stored, keys[0], atol=1e-4), (head.kind, lookup)
+
+
+V = 6
+
+
+def sampling_pair(kind: str):
+    torch.manual_seed(1)
+    target = tiny("llama", layers=6, hidden=32, heads=2, kv_heads=1, seed=1)
+    target.resize_token_embeddings(V)
+    target.config.vocab_size = V
+    with torch.no_grad():
+        for p in target.parameters():
+            p.mul_(3.0)
+    head = EagleHead(kind, head_config(target, 4 if kind == "eagle3" else None, num_attention_heads=2,
+                                       num_key_value_heads=1), target, 4 if kind == "eagle3" else None)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 1.0)
+        if kind == "eagle3":  # drafts only ids 0, 2, 3, 5
+            ids = torch.tensor([0, 2, 3, 5])
+            head.d2t.copy_(ids - torch.arange(4))
+    return make_pair(target.eval(), head.eval())
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_sampling_with_a_head_tree_keeps_the_targets_distribution(kind):
+    pair = sampling_pair(kind)
+    prompt = [1, 4, 2, 5, 0, 3, 3, 1]
+    temperature = 1.3
+
+    def probs(ids):
+        with torch.no_grad():
+            return torch.softmax(pair.target(input_ids=torch.tensor([ids])).logits[0, -1] / temperature, -1)
+
+    joint = torch.zeros(V, V)
+    for t1, p1 in enumerate(probs(prompt)):
+        for t2, p2 in enumerate(probs(prompt + [t1])):
+            joint[t2] += p1 * p2 * probs(prompt + [t1, t2])
+    joint = joint.flatten()
+    draft = DraftConfig(shape="tree", max_depth=2, node_budget=6, branch=2, children=3, stop_threshold=0.0)
+    runs = 1200
+    counts = torch.zeros(V * V)
+    for seed in range(runs):
+        trace = list(generate(pair, prompt, preset("specextend", max_new_tokens=4, temperature=temperature, seed=seed,
+                                                   draft=draft)))
+        first = next(e for e in trace if isinstance(e, Drafted))
+        assert first.step == 1 and max(node_depths(first.parents)) == 2
+        out = trace[-1].token_ids
+        counts[out[1] * V + out[2]] += 1
+    keep = joint * runs >= 5
+    observed = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    expected = torch.cat([joint[keep], joint[~keep].sum()[None]]) * runs
+    assert chisquare(observed.numpy(), expected.numpy()).pvalue > 1e-3
