@@ -28,6 +28,11 @@ from .settings import PRESETS, Settings
 # context, tied embeddings, rope
 LLAMA3 = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+LLAMA_8B = dict(model_type="llama", layers=32, hidden=4096, heads=32, kv=8, head_dim=128, inter=14336, rows=128256,
+                context=131072, tied=False, rope={**LLAMA3, "factor": 8.0})  # Llama 3.1 8B and the R1 distill
+QWEN3_8B = dict(model_type="qwen3", layers=36, hidden=4096, heads=32, kv=8, head_dim=128, inter=12288, rows=151936,
+                context=40960, tied=False, rope={"rope_type": "default", "rope_theta": 1e6})
+HEAD_KINDS = ("eagle", "eagle3")
 SHAPES = {
     "qwen2.5-7b": (
         dict(model_type="qwen2", layers=28, hidden=3584, heads=28, kv=4, head_dim=128, inter=18944, rows=152064,
@@ -36,14 +41,12 @@ SHAPES = {
              context=32768, tied=True, rope={"rope_type": "default", "rope_theta": 1e6}),
         151665),  # the ids the tokenizer defines
     "llama-3.1-8b": (
-        dict(model_type="llama", layers=32, hidden=4096, heads=32, kv=8, head_dim=128, inter=14336, rows=128256,
-             context=131072, tied=False, rope={**LLAMA3, "factor": 8.0}),
+        LLAMA_8B,
         dict(model_type="llama", layers=16, hidden=2048, heads=32, kv=8, head_dim=64, inter=8192, rows=128256,
              context=131072, tied=True, rope={**LLAMA3, "factor": 32.0}),
         128256),
     "qwen3-8b": (
-        dict(model_type="qwen3", layers=36, hidden=4096, heads=32, kv=8, head_dim=128, inter=12288, rows=151936,
-             context=40960, tied=False, rope={"rope_type": "default", "rope_theta": 1e6}),
+        QWEN3_8B,
         dict(model_type="qwen3", layers=28, hidden=1024, heads=16, kv=8, head_dim=128, inter=3072, rows=151936,
              context=40960, tied=True, rope={"rope_type": "default", "rope_theta": 1e6}),
         151669),
@@ -53,13 +56,56 @@ SHAPES = {
         dict(model_type="llama", layers=2, hidden=768, heads=12, kv=12, head_dim=64, inter=3072, rows=32000,
              context=2048, tied=False, rope={"rope_type": "default", "rope_theta": 10000.0}),
         32000),
+    # EAGLE heads (a draft shape's model_type names the kind): hidden, heads, intermediate, vocabulary as published
+    "llama-3.1-8b-eagle3": (
+        LLAMA_8B,
+        dict(model_type="eagle3", hidden=4096, heads=32, kv=8, head_dim=128, inter=14336, rows=128256,
+             draft_vocab=32000, context=2048, rope={"rope_type": "default", "rope_theta": 500000.0}),
+        128256),
+    "vicuna-7b-eagle": (
+        dict(model_type="llama", layers=32, hidden=4096, heads=32, kv=32, head_dim=128, inter=11008, rows=32000,
+             context=2048, tied=False, rope={"rope_type": "default", "rope_theta": 10000.0}),
+        dict(model_type="eagle", hidden=4096, heads=32, kv=32, head_dim=128, inter=11008, rows=32000, context=2048,
+             rope={"rope_type": "default", "rope_theta": 10000.0}),
+        32000),
+    "deepseek-r1-llama-8b-eagle3": (
+        LLAMA_8B,
+        dict(model_type="eagle3", hidden=4096, heads=32, kv=8, head_dim=128, inter=14336, rows=128256,
+             draft_vocab=32000, context=2048, rope={"rope_type": "default", "rope_theta": 500000.0}),
+        128256),
+    "qwen3-8b-eagle3": (
+        QWEN3_8B,
+        dict(model_type="eagle3", hidden=4096, heads=32, kv=8, head_dim=128, inter=12288, rows=151936,
+             draft_vocab=32000, context=40960, rope={"rope_type": "default", "rope_theta": 1e6}),
+        151669),
 }
 
 
-def shrunk(shape: dict) -> dict:
-    """The same family, rows, context and rope; two layers, narrow."""
-    return {**shape, "layers": min(shape["layers"], 2), "hidden": 64, "heads": 4, "kv": min(shape["kv"], 2),
+def shrunk(shape: dict, layers: int = 2) -> dict:
+    """The same family, rows, context and rope; `layers` layers (an EAGLE-3 head's target keeps 6), narrow."""
+    return {**shape, "layers": min(shape.get("layers", 1), layers), "hidden": 64, "heads": 4, "kv": min(shape["kv"], 2),
             "head_dim": 16, "inter": 128}
+
+
+def build_head(shape: dict, target, device: torch.device, dtype: torch.dtype, seed: int):
+    """A random EAGLE head of `shape` for `target`, checked against it as a published one would be."""
+    from transformers import LlamaConfig
+
+    from specextend.heads import EagleHead, check_head
+
+    config = LlamaConfig(hidden_size=shape["hidden"], num_attention_heads=shape["heads"], num_key_value_heads=shape["kv"],
+                         head_dim=shape["head_dim"], intermediate_size=shape["inter"], vocab_size=shape["rows"],
+                         max_position_embeddings=shape["context"], rope_parameters=shape["rope"], num_hidden_layers=1,
+                         initializer_range=0.02, draft_vocab_size=shape.get("draft_vocab"))
+    check_head(target.config, shape["model_type"], config, False, shape["model_type"])
+    torch.manual_seed(seed)
+    with torch.device(device):
+        head = EagleHead(shape["model_type"], config, target, shape.get("draft_vocab"))
+    if shape.get("draft_vocab"):  # draft id d proposes target id d * spacing
+        spacing = shape["rows"] // len(head.d2t)
+        with torch.no_grad():
+            head.d2t.copy_(torch.arange(len(head.d2t)) * (spacing - 1))
+    return head.to(dtype).eval()
 
 
 def build(shape: dict, device: torch.device, dtype: torch.dtype, seed: int):
@@ -96,13 +142,19 @@ def factory_for(shrink: bool, device: torch.device, dtype: torch.dtype, timings:
     def factory(choice, progress):
         start = time.perf_counter()
         target_shape, draft_shape, ids = SHAPES[choice.key]
+        head = draft_shape["model_type"] in HEAD_KINDS
         if shrink:
-            target_shape, draft_shape = shrunk(target_shape), shrunk(draft_shape)
+            target_shape, draft_shape = shrunk(target_shape, 6 if head else 2), shrunk(draft_shape)
         tokenizer = word_tokenizer(ids)
         progress(f"Building {choice.key} at random")
-        target, draft = build(target_shape, device, dtype, 1), build(draft_shape, device, dtype, 2)
-        facts = check_pair((target.config, tokenizer, choice.target), (draft.config, tokenizer, choice.draft))
-        pair = make_pair(target, draft, shared_vocab=facts.shared_vocab)
+        target = build(target_shape, device, dtype, 1)
+        if head:
+            check_pair((target.config, tokenizer, choice.target), None)
+            pair = make_pair(target, build_head(draft_shape, target, device, dtype, 2))
+        else:
+            draft = build(draft_shape, device, dtype, 2)
+            facts = check_pair((target.config, tokenizer, choice.target), (draft.config, tokenizer, choice.draft))
+            pair = make_pair(target, draft, shared_vocab=facts.shared_vocab)
         timings[choice.key] = time.perf_counter() - start
         return serve(choice, tokenizer, pair)
 
@@ -134,6 +186,7 @@ def run(shrink: bool, tokens: int, max_new: int, presets: list[str]) -> list[dic
             "preset": key, "error": job.error, "build_s": round(timings.get(key, 0.0), 2),
             "run_s": round(time.perf_counter() - start, 2), "prompt_tokens": len(job.prompt.ids) if job.prompt else 0,
             "methods": sorted(outputs), "new_tokens": {m: len(ids) for m, ids in outputs.items()},
+            "draft": next((e.draft_name for e in job.runs.get("specextend", ()) if hasattr(e, "draft_name")), ""),
             "outputs_agree": len({tuple(ids) for ids in outputs.values()}) == 1 and len(outputs) == 3,
             "device": str(device), "dtype": str(dtype).replace("torch.", ""),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if device.type == "cuda" else None,

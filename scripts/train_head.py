@@ -27,10 +27,10 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from scripts import pd_corpus
-from specextend.heads import EAGLE3_ARCHITECTURE, EagleHead, feature_streams
+from specextend.heads import EAGLE3_ARCHITECTURE, EagleHead, config_like, feature_streams
 from specextend.tools import bundled, prompting
 
 TASKS = (prompting.DEFAULT_INSTRUCTION, "Summarize the passage above.", "What happens in the text above? Answer briefly.",
@@ -208,12 +208,7 @@ def head_loss(head: EagleHead, batch: dict, to_draft: torch.Tensor, unroll: int)
 
 def make_head(target, vocab_ids: torch.Tensor) -> EagleHead:
     tc = target.config
-    cfg = LlamaConfig(hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
-                      num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
-                      head_dim=getattr(tc, "head_dim", None), rms_norm_eps=tc.rms_norm_eps,
-                      rope_parameters=dict(tc.rope_parameters), max_position_embeddings=tc.max_position_embeddings,
-                      vocab_size=tc.vocab_size, draft_vocab_size=len(vocab_ids), num_hidden_layers=1,
-                      bos_token_id=tc.bos_token_id, eos_token_id=tc.eos_token_id, tie_word_embeddings=False)
+    cfg = config_like(tc, len(vocab_ids), bos_token_id=tc.bos_token_id, eos_token_id=tc.eos_token_id)
     head = EagleHead("eagle3", cfg, target, len(vocab_ids))
     with torch.no_grad():
         head.lm_head.weight.copy_(target.lm_head.weight[vocab_ids])

@@ -81,7 +81,8 @@ def generate(
         yield Started(t_s=clock(), elapsed_s=0.0, method=config.method, prompt_ids=tuple(prompt), config=asdict(config),
                       target_layers=pair.target.config.num_hidden_layers,
                       draft_layers=pair.draft.config.num_hidden_layers if config.uses_draft else 0,
-                      device=str(pair.device), dtype=str(pair.dtype).replace("torch.", ""))
+                      device=str(pair.device), dtype=str(pair.dtype).replace("torch.", ""),
+                      draft_name=pair.draft_name if config.uses_draft else "")
 
         # 1) prefill the target (fused kernel) and the draft (sliding window, per its policy)
         phase = clock()

@@ -31,6 +31,7 @@ class Started:
     draft_layers: int  # 0 for autoregressive
     device: str
     dtype: str
+    draft_name: str = "draft model"  # what proposes: "draft model", "EAGLE head" or "EAGLE-3 head" ("" for none)
 
     def __post_init__(self) -> None:  # the config as JSON gives it back, so a saved trace loads equal
         object.__setattr__(self, "config", json.loads(json.dumps(self.config)))

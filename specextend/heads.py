@@ -25,7 +25,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from . import attention
-from .compat import FIXED_ROPE, rope_kind
+from .compat import FIXED_ROPE, rope_kind, rope_of
 from .vocab import ReducedVocabHead
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -33,11 +33,16 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 HEAD_NAME = {"eagle": "EAGLE head", "eagle3": "EAGLE-3 head"}
 
 
-def feature_streams(kind: str, target_layers: int) -> tuple[int, ...]:
+def feature_streams(kind: str, target_layers: int, config=None) -> tuple[int, ...]:
     """The target's residual streams a head reads: stream i enters layer i; stream L leaves the last layer (before
-    the final norm). EAGLE-1 reads the last; EAGLE-3 the streams entering layers 2, L//2 and L-3, in that order."""
+    the final norm). EAGLE-1 reads the last; EAGLE-3 the streams entering layers 2, L//2 and L-3, in that order, or
+    those leaving the layers its config lists (`eagle_config.eagle_aux_hidden_state_layer_ids`, as some trainers
+    write it: 1, L//2 - 1, L - 4 name the same streams)."""
     if kind == "eagle":
         return (target_layers,)
+    listed = (getattr(config, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
+    if listed:
+        return tuple(int(i) + 1 for i in listed)
     return (2, target_layers // 2, target_layers - 3)
 
 
@@ -54,10 +59,6 @@ class HeadFolder:
     def draft_vocab(self) -> int:
         return int(getattr(self.config, "draft_vocab_size", None) or self.config.vocab_size)
 
-    @property
-    def target_hidden(self) -> int:
-        return int(getattr(self.config, "target_hidden_size", None) or self.config.hidden_size)
-
 
 def _weight_keys(path: Path) -> frozenset[str]:
     if path.suffix == ".safetensors":
@@ -68,12 +69,35 @@ def _weight_keys(path: Path) -> frozenset[str]:
     return frozenset(torch.load(path, map_location="meta", weights_only=True, mmap=True))
 
 
-def read_head(folder: str | Path) -> HeadFolder | None:
-    """The head a folder holds, or None when it holds none (an ordinary model folder, a hub id, a GGUF)."""
-    path = Path(folder)
+def head_folder(source: str | Path) -> Path | None:
+    """A local folder for `source`: itself when it is a folder; for a hub id (fetched only where the operator allows
+    the hub) the files of a head when its config names EAGLE-3 or a single layer (EAGLE-1 configs are plain Llama
+    ones); None otherwise, and wherever the hub cannot be read (then the source is read as an ordinary model)."""
+    path = Path(source)
+    if path.is_dir():
+        return path
+    if path.exists() or str(source).count("/") != 1:
+        return None
+    from huggingface_hub import hf_hub_download, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        raw = json.loads(Path(hf_hub_download(str(source), "config.json")).read_text())
+        if EAGLE3_ARCHITECTURE not in (raw.get("architectures") or []) and raw.get("num_hidden_layers") != 1:
+            return None
+        return Path(snapshot_download(str(source), allow_patterns=["config.json", *WEIGHT_FILES]))
+    except (OSError, ValueError, HfHubHTTPError):
+        return None
+
+
+def read_head(source: str | Path) -> HeadFolder | None:
+    """The head a folder (or an allowed hub id) holds, or None when it holds none (an ordinary model, a GGUF)."""
+    path = head_folder(source)
+    if path is None:
+        return None
     config_file = path / "config.json"
     weights = next((path / name for name in WEIGHT_FILES if (path / name).is_file()), None)
-    if not path.is_dir() or not config_file.is_file() or weights is None:
+    if not config_file.is_file() or weights is None:
         return None
     raw = json.loads(config_file.read_text())
     if EAGLE3_ARCHITECTURE in (raw.get("architectures") or []):
@@ -88,30 +112,51 @@ def read_head(folder: str | Path) -> HeadFolder | None:
     return HeadFolder(kind, config, weights, _weight_keys(weights))
 
 
-def check_head(target_config, head: HeadFolder, source: str | Path = "the head") -> None:
-    """Refuse, with the reason, a head that cannot read this target (decided from configs, before weights load)."""
+def config_like(target_config, draft_vocab: int | None = None, **changes) -> LlamaConfig:
+    """A one-layer head config in its target's shapes (width, heads, MLP, RoPE, vocabulary), as EAGLE's heads are;
+    `draft_vocab`: an EAGLE-3 head's reduced vocabulary."""
+    tc = target_config
+    fields = dict(hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
+                  num_attention_heads=tc.num_attention_heads,
+                  num_key_value_heads=getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
+                  head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+                  rms_norm_eps=tc.rms_norm_eps, rope_parameters=rope_of(tc) or None,
+                  max_position_embeddings=tc.max_position_embeddings, vocab_size=tc.vocab_size, num_hidden_layers=1,
+                  tie_word_embeddings=False)
+    if draft_vocab is not None:
+        fields["draft_vocab_size"] = draft_vocab
+    return LlamaConfig(**{**fields, **changes})
+
+
+def check_head(target_config, kind: str, cfg, own_embedding: bool, source: str | Path = "the head") -> None:
+    """Refuse, with the reason, a head (`kind`, its config) that cannot read this target; decided from configs, before
+    weights load (`own_embedding`: whether its weights hold an embedding)."""
     target_hidden = int(target_config.hidden_size)
     layers = int(target_config.num_hidden_layers)
-    cfg = head.config
-    name = HEAD_NAME[head.kind]
-    if head.target_hidden != target_hidden:
-        raise ValueError(f"{source}: an {name} for a target of hidden size {head.target_hidden}; this target's is "
+    name = HEAD_NAME[kind]
+    head_target = int(getattr(cfg, "target_hidden_size", None) or cfg.hidden_size)
+    draft_vocab = int(getattr(cfg, "draft_vocab_size", None) or cfg.vocab_size)
+    if head_target != target_hidden:
+        raise ValueError(f"{source}: an {name} for a target of hidden size {head_target}; this target's is "
                          f"{target_hidden}")
-    if cfg.hidden_size != target_hidden and "embed_tokens.weight" not in head.keys:
+    if cfg.hidden_size != target_hidden and not own_embedding:
         raise ValueError(f"{source}: its width ({cfg.hidden_size}) differs from the target's ({target_hidden}) and it "
                          "ships no embedding of its own, so it cannot read the target's")
     if int(cfg.vocab_size) != int(target_config.vocab_size):
         raise ValueError(f"{source}: an {name} over {cfg.vocab_size} token ids; this target has {target_config.vocab_size}")
-    if head.kind == "eagle3" and layers < 6:
+    if kind == "eagle3" and layers < 6:
         raise ValueError(f"{source}: an EAGLE-3 head reads the target's layers 2, L//2 and L-3; this target has "
                          f"only {layers} layers")
-    if head.kind == "eagle" and cfg.hidden_size != target_hidden:
+    streams = feature_streams(kind, layers, cfg)
+    if kind == "eagle3" and (len(streams) != 3 or not all(1 <= i <= layers for i in streams)):
+        raise ValueError(f"{source}: it reads the target's layers {[i - 1 for i in streams]}; this target has {layers}")
+    if kind == "eagle" and cfg.hidden_size != target_hidden:
         raise ValueError(f"{source}: an EAGLE head's width ({cfg.hidden_size}) must be the target's ({target_hidden})")
     if rope_kind(cfg) not in FIXED_ROPE:
         raise ValueError(f"{source}: its RoPE scaling {rope_kind(cfg)!r} changes with the length; the engine runs "
                          f"{', '.join(FIXED_ROPE)}")
-    if head.draft_vocab > int(cfg.vocab_size):
-        raise ValueError(f"{source}: draft_vocab_size {head.draft_vocab} exceeds its vocab_size {cfg.vocab_size}")
+    if draft_vocab > int(cfg.vocab_size):
+        raise ValueError(f"{source}: draft_vocab_size {draft_vocab} exceeds its vocab_size {cfg.vocab_size}")
 
 
 class HeadLayer(nn.Module):
@@ -154,7 +199,7 @@ class EagleHead(nn.Module):
         config._attn_implementation = attention.IMPLEMENTATION
         self.kind, self.config = kind, config
         tc = target.config
-        self.streams = feature_streams(kind, tc.num_hidden_layers)
+        self.streams = feature_streams(kind, tc.num_hidden_layers, config)
         hidden = config.hidden_size
         target_hidden = int(getattr(config, "target_hidden_size", None) or tc.hidden_size)
         if kind == "eagle":
@@ -231,7 +276,7 @@ def load_head(folder: str | Path, target, device: torch.device, dtype: torch.dty
     head = head or read_head(folder)
     if head is None:
         raise ValueError(f"{folder} holds no EAGLE head (config.json and fc.* weights)")
-    check_head(target.config, head, folder)
+    check_head(target.config, head.kind, head.config, "embed_tokens.weight" in head.keys, folder)
     if head.weights.suffix == ".safetensors":
         from safetensors.torch import load_file
 

@@ -59,6 +59,13 @@ class ModelPair:
         return None if self.draft is None else context_length(self.draft.config)
 
     @property
+    def draft_name(self) -> str:
+        """What the draft is called on screen: "draft model", "EAGLE head" or "EAGLE-3 head" ("" without one)."""
+        if self.draft is None:
+            return ""
+        return heads.HEAD_NAME[self.draft.kind] if isinstance(self.draft, heads.EagleHead) else "draft model"
+
+    @property
     def vocab_size(self) -> int:
         return int(self.target.get_output_embeddings().out_features)
 
@@ -304,7 +311,7 @@ def read_pair(target: str | Path, draft: str | Path | None = None, tokenizer: An
         return check_pair(read(target, tokenizer), read(draft) if draft is not None else None)
     read_target = read(target, tokenizer)  # an EAGLE head ships no tokenizer: it reads the target's ids
     facts = check_pair(read_target, None)
-    heads.check_head(read_target[0], head, draft)
+    heads.check_head(read_target[0], head.kind, head.config, "embed_tokens.weight" in head.keys, draft)
     return facts
 
 

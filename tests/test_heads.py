@@ -19,7 +19,7 @@ from specextend.engine import generate
 from specextend.events import Drafted, Verified
 from specextend.feature_drafting import FeatureDrafter
 from specextend.lookup import LookupDrafter, MergedDrafter
-from specextend.heads import EAGLE3_ARCHITECTURE, EagleHead, check_head, load_head, read_head
+from specextend.heads import EAGLE3_ARCHITECTURE, EagleHead, check_head, config_like, load_head, read_head
 from specextend.metrics import node_depths
 from specextend.models import make_pair
 from specextend.retrieval import make_policy
@@ -29,13 +29,7 @@ REDUCED = tuple(range(0, VOCAB, 2))  # an EAGLE-3 draft vocabulary: the even ids
 
 
 def head_config(target, draft_vocab: int | None = None, **changes) -> LlamaConfig:
-    c = target.config
-    fields = dict(hidden_size=c.hidden_size, intermediate_size=2 * c.hidden_size, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=c.vocab_size, num_hidden_layers=1, max_position_embeddings=4096,
-                  rms_norm_eps=1e-6, initializer_range=0.3)
-    if draft_vocab is not None:
-        fields["draft_vocab_size"] = draft_vocab
-    return LlamaConfig(**{**fields, **changes})
+    return config_like(target.config, draft_vocab, initializer_range=0.3, **changes)
 
 
 def tiny_head(kind: str, target, reduced: bool = False, own_embedding: bool = False, seed: int = 5) -> EagleHead:
@@ -68,6 +62,11 @@ def save_published(head: EagleHead, folder, bin_file: bool = False, drop_vocab_m
     else:
         save_file(state, str(folder / "model.safetensors"))
     return folder
+
+
+def kind_config(folder):
+    head = read_head(folder)
+    return head.kind, head.config, "embed_tokens.weight" in head.keys
 
 
 # the published layouts the tests load: (kind, reduced vocabulary, own embedding, pytorch_model.bin)
@@ -128,16 +127,28 @@ def test_a_head_that_does_not_fit_is_refused_with_the_reason(target, tmp_path, c
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(ValueError, match=reason):
-        check_head(target.config, read_head(folder), folder)
+        check_head(target.config, *kind_config(folder), folder)
     with pytest.raises(ValueError, match=reason):  # the loader refuses before reading the weights
         load_head(folder, target, CPU, torch.float32)
+
+
+def test_an_eagle3_config_may_name_the_layers_it_reads(target, tmp_path):
+    """Trainers that list `eagle_aux_hidden_state_layer_ids` name the layers whose OUTPUT the head reads: the streams
+    entering the next layers."""
+    folder = save_published(tiny_head("eagle3", target), tmp_path / "head")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 4]}}))
+    assert load_head(folder, target, CPU, torch.float32).streams == (1, 3, 5)
+    (folder / "config.json").write_text(json.dumps({**config, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 9]}}))
+    with pytest.raises(ValueError, match=r"layers \[0, 2, 9\]"):
+        check_head(target.config, *kind_config(folder), folder)
 
 
 def test_an_eagle3_head_needs_a_target_deep_enough(tmp_path):
     shallow = tiny("llama", layers=3)
     folder = save_published(tiny_head("eagle3", tiny("llama", layers=6)), tmp_path / "head")
     with pytest.raises(ValueError, match="layers 2, L//2 and L-3"):
-        check_head(shallow.config, read_head(folder), folder)
+        check_head(shallow.config, *kind_config(folder), folder)
 
 
 SMALL_CACHE = RetrievalConfig(chunk_size=4, top_k=4, retrieve_every=2, prefill_window=8, sink_tokens=2)

@@ -1,5 +1,6 @@
-"""The preset check on CPU: each GPU preset's pair, random and shrunk to two narrow layers but with its family, rope
-scaling and embedding rows, runs through the app's own run handler and every method agrees."""
+"""The preset check on CPU: each GPU preset's pair, random and shrunk to two narrow layers (six under an EAGLE-3 head)
+but with its family, rope scaling and embedding rows, runs through the app's own run handler and every method agrees;
+EAGLE heads run in their published shapes as the draft."""
 
 from __future__ import annotations
 
@@ -15,5 +16,8 @@ def test_every_preset_runs_through_the_apps_handler_and_its_methods_agree(tmp_pa
     for r in results:
         assert r["error"] == "" and r["outputs_agree"] and r["prompt_tokens"] > 400, r
         assert set(r["new_tokens"].values()) == {6}, r
+    drafts = {r["preset"]: r["draft"] for r in results}
+    assert drafts["vicuna-7b-eagle"] == "EAGLE head" and drafts["qwen3-8b-eagle3"] == "EAGLE-3 head"
+    assert drafts["qwen2.5-7b"] == "draft model"
     target, draft, _ = SHAPES["qwen2.5-7b"]
     assert target["rows"] > draft["rows"]  # the padded pair really is one

@@ -97,7 +97,7 @@ def test_gpu_check_quick_runs_every_section(tmp_path):
     assert [r["tokens"] for r in rows] == report["lengths"]
     assert all(r["floor_ms"] > 0 and r["ar_static_ms"] > 0 and r["verify_masked_ms"] > 0 for r in rows)
     assert set(report["steps"]["curve"]) == {str(n) for n in gpu_check.CURVE}
-    assert set(report["engine"]) >= {"autoregressive", "speculative", "specextend"}
+    assert set(report["engine"]) >= {"autoregressive", "speculative", "specextend", "specextend (EAGLE head)"}
     assert all(e["steps"] > 0 for e in report["engine"].values())
     assert all(p["kernels"] > 0 for p in report["profile"].values())
     assert set(report["projection"]) == {"draft 68M", "draft 1B"}

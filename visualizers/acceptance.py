@@ -17,7 +17,7 @@ from specextend.events import Drafted, Event, Verified
 from specextend.metrics import acceptance_by_position, node_depths
 
 from .common import (
-    STATUS_COLORS, Decode, Spec, accepted_kind, base_layout, hover_text, message_spec, method_of, of, title,
+    STATUS_COLORS, Decode, Spec, accepted_kind, base_layout, draft_name, hover_text, message_spec, method_of, of, title,
 )
 
 HOVER_STEPS = 200  # hover text is kept for the most recent steps only, so a redraw stays small
@@ -44,13 +44,13 @@ def step_cells(drafted: Drafted | None, verified: Verified) -> list[int]:
 
 
 @lru_cache(maxsize=8192)
-def _cell_texts(drafted: Drafted | None, verified: Verified, decode: Decode) -> tuple[str, ...]:
+def _cell_texts(drafted: Drafted | None, verified: Verified, decode: Decode, name: str) -> tuple[str, ...]:
     """Hover text per cell of one step, in the order of `step_cells` (events are frozen, so this caches)."""
     texts = []
     if drafted is not None:
         for i, node in enumerate(verified.accepted_nodes):
             texts.append(f"step {verified.step}, draft token {i + 1}: “{_token(decode, drafted.tokens[node])}” "
-                         f"accepted ({_who(drafted, node)})")
+                         f"accepted ({_who(drafted, node, name)})")
     texts.append(f"step {verified.step}: bonus token “{_token(decode, verified.bonus_token)}” from the target")
     if drafted is not None:
         depths = node_depths(drafted.parents)
@@ -64,10 +64,11 @@ def _cell_texts(drafted: Drafted | None, verified: Verified, decode: Decode) -> 
     return tuple(texts)
 
 
-def _who(drafted: Drafted, node: int) -> str:
-    """Who proposed a node, for a hover: the draft model with its q, a lookup with its copy's position, or both."""
+def _who(drafted: Drafted, node: int, name: str) -> str:
+    """Who proposed a node, for a hover: the draft (`name`: the draft model or an EAGLE head) with its q, a lookup
+    with its copy's position, or both."""
     source = drafted.sources[node] if drafted.sources else "draft"
-    model = f"draft model, q={drafted.draft_probs[node]:.2f}"
+    model = f"{name}, q={drafted.draft_probs[node]:.2f}"
     copy = f"copied by lookup from position {drafted.origins[node]}" if drafted.origins else ""
     return {"draft": model, "lookup": copy, "both": f"{copy}; the {model} too"}[source]
 
@@ -94,7 +95,7 @@ def tree_layout(parents: Sequence[int]) -> list[float]:
     return [y[i] for i in range(len(parents))]
 
 
-def _tree_traces(drafted: Drafted, verified: Verified, decode: Decode, axes: dict[str, str]) -> list[dict]:
+def _tree_traces(drafted: Drafted, verified: Verified, decode: Decode, axes: dict[str, str], name: str) -> list[dict]:
     depths = node_depths(drafted.parents)
     ys = tree_layout(drafted.parents)
     root_y = sum(ys[i] for i, p in enumerate(drafted.parents) if p < 0) / max(1, sum(p < 0 for p in drafted.parents))
@@ -112,7 +113,7 @@ def _tree_traces(drafted: Drafted, verified: Verified, decode: Decode, axes: dic
                    for n, ok in enumerate(verified.accepted)]
     symbols = ["diamond" if accepted_kind(drafted, n) == "copied" else "circle" for n in range(len(drafted.tokens))]
     labels = [_token(decode, t) for t in drafted.tokens]
-    hovers = [f"“{lab}” {'accepted' if ok else 'not kept'} ({_who(drafted, n)})"
+    hovers = [f"“{lab}” {'accepted' if ok else 'not kept'} ({_who(drafted, n, name)})"
               for n, (lab, ok) in enumerate(zip(labels, verified.accepted))]
     bonus = _token(decode, verified.bonus_token)
     line = {"type": "scatter", "mode": "lines", "hoverinfo": "skip", **axes}
@@ -137,12 +138,14 @@ def acceptance_spec(events: Sequence[Event], decode: Decode) -> Spec:
     if not verified:
         return message_spec("waiting for the first step")
     trees = {d.step: d for d in of(events, Drafted)}
+    name = draft_name(events)
     steps = [v.step for v in verified]
     columns = [step_cells(trees.get(v.step), v) for v in verified]
     height = max(len(c) for c in columns)
     z = [[c[row] if row < len(c) else None for c in columns] for row in range(height)]
     hover_from = len(verified) - HOVER_STEPS
-    texts_by_step = [_cell_texts(trees.get(v.step), v, decode) if i >= hover_from else () for i, v in enumerate(verified)]
+    texts_by_step = [_cell_texts(trees.get(v.step), v, decode, name) if i >= hover_from else ()
+                     for i, v in enumerate(verified)]
     text = [[t[row] if row < len(t) else "" for t in texts_by_step] for row in range(height)]
     cells = {
         "type": "heatmap", "x": steps, "y": list(range(1, height + 1)), "z": z, "text": text,
@@ -170,11 +173,11 @@ def acceptance_spec(events: Sequence[Event], decode: Decode) -> Spec:
     data = [cells, rate_bars, length_bars, length_mean]
     last = next((v for v in reversed(verified) if v.step in trees and trees[v.step].tokens), verified[-1])
     if last.step in trees:  # the latest step that drafted anything (the last step may have had no room)
-        data += _tree_traces(trees[last.step], last, decode, {"xaxis": "x4", "yaxis": "y4"})
+        data += _tree_traces(trees[last.step], last, decode, {"xaxis": "x4", "yaxis": "y4"}, name)
 
     mean_committed = sum(committed) / len(committed)
     headline = (f"{len(verified)} steps, one column each · {mean_committed:.2f} tokens committed per step<br>"
-                "<span style='font-size:12px'>green: the draft model's tokens the target accepted · violet: "
+                f"<span style='font-size:12px'>green: the {name}'s tokens the target accepted · violet: "
                 "tokens a lookup copied, accepted · gold: the target's bonus token · red: drafted, not kept</span>")
     sub = {"xref": "paper", "yref": "paper", "y": 0.41, "yanchor": "bottom", "showarrow": False,
            "xanchor": "left", "font": {"size": 12}}

@@ -44,6 +44,12 @@ def method_of(events: Sequence[Event]) -> str:
     return started[0].method if started else ""
 
 
+def draft_name(events: Sequence[Event]) -> str:
+    """What proposed the run's draft tokens: "draft model", "EAGLE head" or "EAGLE-3 head"."""
+    started = of(events, Started)
+    return (started[0].draft_name if started else "") or "draft model"
+
+
 def prompt_ids(events: Sequence[Event]) -> tuple[int, ...]:
     started = of(events, Started)
     return started[0].prompt_ids if started else ()

@@ -33,6 +33,7 @@ from ..cache import KVCache
 from ..config import AttentionConfig, DraftConfig, RetrievalConfig, preset
 from ..drafting import tree_mask
 from ..engine import generate
+from ..heads import EagleHead, config_like
 from ..target import prefill_block
 from .kernel_bench import check_lossless, llama, random_tree, timed
 from ..metrics import summarize
@@ -222,22 +223,29 @@ def bench_norms(target, device, length: int, vocab: int, fast: str) -> dict:
 
 
 def bench_engine(models: dict, device, length: int, vocab: int) -> dict:
-    """The whole loop at one length, 32 new tokens, the 1B-like draft: per-phase ms per step. Each method runs
+    """The whole loop at one length, 32 new tokens, the 1B-like draft or an EAGLE-3 head in the target's shape (random:
+    its acceptance means nothing, its draft cost does): per-phase ms per step. Each method runs
     twice; the first run's seconds show what a first request pays (captures, kernel choices)."""
-    pair = make_pair(models["target"], models["draft 1B"])
+    target = models["target"]
+    pair = make_pair(target, models["draft 1B"])
+    kind, dv = ("eagle3", 32000) if target.config.num_hidden_layers >= 6 else ("eagle", None)  # --quick: 2 layers
+    head = EagleHead(kind, config_like(target.config, dv), target, dv).to(target.dtype)
+    head_pair = make_pair(target, head.to(next(target.parameters()).device))
     prompt = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(7)).tolist()
     tree = DraftConfig(shape="tree", max_depth=5, node_budget=NODES, branch=4, children=4)
     configs = {"autoregressive (eager)": preset("autoregressive", attention=AttentionConfig("fused", "auto", "eager")),
                "autoregressive": preset("autoregressive"),
                "speculative": preset("speculative", draft=tree),
                "specextend (eager)": preset("specextend", draft=tree, attention=AttentionConfig("fused", "auto", "eager")),
-               "specextend": preset("specextend", draft=tree, retrieval=RetrievalConfig())}
+               "specextend": preset("specextend", draft=tree, retrieval=RetrievalConfig()),
+               "specextend (EAGLE head)": preset("specextend", draft=tree, retrieval=RetrievalConfig())}
     out = {}
     for name, config in configs.items():
         runs, seconds = [], []
         for _ in range(2):
             start = time.perf_counter()
-            runs.append(summarize(list(generate(pair, prompt, config.replace(max_new_tokens=32)))))
+            runs.append(summarize(list(generate(head_pair if "head" in name else pair, prompt,
+                                                config.replace(max_new_tokens=32)))))
             seconds.append(time.perf_counter() - start)
         s = runs[-1]  # the first run warms up (captures, kernel choices)
         steps = max(s.steps, 1)
