@@ -300,3 +300,16 @@ def test_sampling_with_a_head_tree_keeps_the_targets_distribution(kind):
     observed = torch.cat([counts[keep], counts[~keep].sum()[None]])
     expected = torch.cat([joint[keep], joint[~keep].sum()[None]]) * runs
     assert chisquare(observed.numpy(), expected.numpy()).pvalue > 1e-3
+
+
+def test_the_run_and_its_panels_name_the_head(head_pair):
+    """A head is a draft like any other; where the panels name the draft they say which kind it is."""
+    from visualizers.acceptance import acceptance_spec
+
+    trace = list(generate(head_pair, list(range(3, 30)), preset("specextend", max_new_tokens=8, retrieval=SMALL_CACHE)))
+    name = {"eagle": "EAGLE head", "eagle3": "EAGLE-3 head"}[head_pair.draft.kind]
+    assert trace[0].draft_name == name
+    headline = acceptance_spec(trace, lambda ids: " ".join(map(str, ids)))["layout"]["title"]["text"]
+    assert f"the {name}'s tokens" in headline and "draft model" not in headline
+    alone = list(generate(head_pair, list(range(3, 30)), preset("autoregressive", max_new_tokens=2)))
+    assert alone[0].draft_name == ""

@@ -1,0 +1,106 @@
+"""The bundled target's EAGLE-3 head against its draft model, side by side in one process.
+
+Run from the repository root: `python -m scripts.head_race --head DIR [--lengths 7168,1024] [--docs 3]`, or with
+`--files A.txt B.md` on other documents (the same prompt as the benchmark: the document's start, then the task).
+
+Methods, alternated on every input after a warm-up (greedy, fp32, one target shared by both drafts, the target's
+prefill read once per input and shared): the target alone; each draft (the distilled draft model, the head) under
+the full cache (standard speculative decoding), StreamingLLM's and CMR's (SpecExtend); and SpecExtend with lookup
+merged, with each draft (the app's default lookup settings). Every output is checked against the target alone's.
+Prints one line per run (decode tokens/s, tokens per step, tokens by source) and, per length, each method's tokens
+per step and decode speed over the target alone's: the median over documents and each document's ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from pathlib import Path
+
+import torch
+
+from specextend.config import LookupConfig, preset
+from specextend.engine import generate
+from specextend.heads import load_head
+from specextend.metrics import summarize
+from specextend.models import load_pair, make_pair, read_tokenizer
+from specextend.target import SharedPrefill
+from specextend.tools import bundled
+from specextend.tools.bench import make_inputs, make_prompt
+from specextend.tools.prompting import DEFAULT_INSTRUCTION, stop_ids
+
+
+def methods(base: dict) -> dict[str, tuple[str, object]]:
+    """name -> (which draft, config)."""
+    lookup = LookupConfig(enabled=True)
+    out = {"target alone": ("model", preset("autoregressive", **base))}
+    for draft in ("model", "head"):
+        out[f"{draft}: speculative (full cache)"] = (draft, preset("speculative", **base))
+        out[f"{draft}: streaming"] = (draft, preset("streaming", **base))
+        out[f"{draft}: specextend (CMR)"] = (draft, preset("specextend", **base))
+        out[f"{draft}: specextend + lookup"] = (draft, preset("specextend", lookup=lookup, **base))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--head", required=True, type=Path, help="the EAGLE head folder")
+    p.add_argument("--lengths", default="7168,1024")
+    p.add_argument("--docs", type=int, default=3, help="the benchmark's longest eval documents")
+    p.add_argument("--files", nargs="*", default=(), help="UTF-8 text files instead of the bundled documents")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--only", default="", help="comma list of method names to run (default: all)")
+    p.add_argument("--out", type=Path, help="write every run's figures here as JSON lines")
+    args = p.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    target_dir, draft_dir = bundled.default_pair()
+    tokenizer = read_tokenizer(target_dir)
+    model_pair = load_pair(target_dir, draft_dir, "cpu", "float32", tokenizer)
+    pairs = {"model": model_pair,
+             "head": make_pair(model_pair.target, load_head(args.head, model_pair.target, model_pair.device, model_pair.dtype))}
+    base = dict(max_new_tokens=args.max_new_tokens, eos_token_ids=stop_ids(tokenizer, model_pair.target))
+    configs = methods(base)
+    if args.only:
+        configs = {k: v for k, v in configs.items() if k in args.only.split(",") or k == "target alone"}
+    lengths = [int(x) for x in args.lengths.split(",")]
+    if args.files:
+        inputs = [{"length": n, "document": Path(f).name,
+                   "prompt": make_prompt(tokenizer, Path(f).read_text(encoding="utf-8"), n, DEFAULT_INSTRUCTION)}
+                  for n in lengths for f in args.files]
+    else:
+        inputs = make_inputs(tokenizer, lengths, args.docs, DEFAULT_INSTRUCTION)
+    for draft, config in configs.values():  # warm-up: kernel choices, first allocations
+        list(generate(pairs[draft], inputs[0]["prompt"][:256], config.replace(max_new_tokens=8)))
+    log = args.out.open("w") if args.out else None
+    table: dict[int, dict[str, dict[str, tuple[float, float]]]] = {}
+    for item in inputs:
+        shared, reference = SharedPrefill(), None
+        for name, (draft, config) in configs.items():
+            events = list(generate(pairs[draft], item["prompt"], config, shared=shared))
+            s, ids = summarize(events), events[-1].token_ids
+            r = {"length": len(item["prompt"]), "document": item["document"], "method": name, **s.figures()}
+            reference = reference or ids
+            if ids != reference:
+                raise SystemExit(f"{name} on {item['document']}: greedy output differs from the target alone's")
+            table.setdefault(item["length"], {}).setdefault(name, {})[item["document"]] = (s.decode_tokens_per_s,
+                                                                                          s.mean_accepted)
+            print(f"{len(item['prompt'])} tokens, {item['document']}, {name}: {s.decode_tokens_per_s:.1f} tok/s, "
+                  f"{s.mean_accepted:.2f} tokens/step, {s.tokens_by_source}", flush=True)
+            if log:
+                log.write(json.dumps(r) + "\n")
+                log.flush()
+    for length, by_method in table.items():
+        alone = by_method["target alone"]
+        for name, docs in by_method.items():
+            ratios = [v[0] / alone[d][0] for d, v in docs.items()]
+            per_step = statistics.median(v[1] for v in docs.values())
+            print(f"~{length}: {name}: {per_step:.2f} tokens/step, {statistics.median(ratios):.2f}x the target alone "
+                  "(median; per document " + ", ".join(f"{d} {x:.2f}" for d, x in zip(docs, ratios)) + ")")
+    return 0
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    raise SystemExit(main())
