@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from .target import FeatureRows
 
 
+RERANK_GROWTH = 2  # a greedy tree grows to this many times its node budget before the most probable nodes are kept
 # the working cache's preallocated room, in working caches: a rebuild fills one, and the tokens committed until the
 # next rebuild (and a step's tree) follow it; the buffer still grows if a long schedule outruns it
 WORKING_ROOM = 4
@@ -242,7 +243,10 @@ class PolicyDrafter:
         logits (len(nodes), V), each getting `children` children, until the node budget, the depth, or the threshold."""
         cfg: DraftConfig = self.draft
         branch, children = cfg.width
-        budget = cfg.budget
+        # EAGLE-2's dynamic tree (greedy): grow past the node budget, then keep the most probable nodes. A sampled
+        # tree keeps what it drew: keeping a subset chosen by probability would bias recursive rejection sampling.
+        rerank = cfg.shape == "tree" and generator is None
+        budget = RERANK_GROWTH * cfg.budget if rerank else cfg.budget
         threshold = math.log(cfg.stop_threshold) if cfg.shape == "tree" and cfg.stop_threshold > 0 else -math.inf
         tree.expand(-1, self._logq(logits), min(children, budget), generator)
         for level in range(1, min(cfg.depth, room)):
@@ -257,6 +261,8 @@ class PolicyDrafter:
                 if room_left <= 0:
                     break
                 tree.expand(node, self._logq(level_logits[i]), min(children, room_left), generator)
+        if rerank:
+            tree.prune(cfg.budget)
         tree.vocab = logits.shape[-1]
         return tree
 
@@ -374,6 +380,19 @@ class GrowingTree:
             self.depths.append(depth)
             self.cum.append(parent_cum + float(logq[token]))
             self.probs.append(math.exp(float(logq[token])))
+
+    def prune(self, budget: int) -> None:
+        """Keep the `budget` nodes of highest cumulative log q, renumbered in order. The kept set is a tree: a child's
+        cumulative log q never exceeds its parent's, and ties go to the earlier node (the parent, the likelier
+        sibling)."""
+        if len(self.tokens) <= budget:
+            return
+        keep = sorted(sorted(range(len(self.tokens)), key=lambda i: (-self.cum[i], i))[:budget])
+        new = {old: i for i, old in enumerate(keep)}
+        self.parents = [new[self.parents[o]] if self.parents[o] >= 0 else -1 for o in keep]
+        for name in ("tokens", "depths", "cum", "probs"):
+            setattr(self, name, [getattr(self, name)[o] for o in keep])
+        self.slot = {new[o]: slot for o, slot in self.slot.items() if o in new}
 
     def feed(self, run, nodes: list[int], kernel: str) -> torch.Tensor:
         """One draft forward `run(nodes, tokens, positions, plan)` over `nodes` (all at one depth); each sees its fed

@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from dataclasses import replace
 import threading
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import VOCAB, reference_greedy, tiny
 from specextend import events as ev
 from specextend.config import AttentionConfig, DraftConfig, GenerationConfig, RetrievalConfig, RetrievalSignal, preset
 from specextend.drafting import Cacheless, DraftTree
 from specextend.engine import generate
-from specextend.metrics import new_tokens, summarize
+from specextend.metrics import new_tokens, node_depths, summarize
 from specextend.models import make_pair
 from specextend.signal import PAPER, UNCALIBRATED
 
@@ -419,3 +422,41 @@ def test_a_shared_prefill_serves_a_window_only_when_it_holds_its_rows(llama_pair
     again = run(llama_pair, prompt, preset("specextend", max_new_tokens=4, retrieval=replace(retrieval, signal=wide)),
                 shared=narrow_shared)
     assert not next(e for e in again if isinstance(e, ev.Prefilled)).shared
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.floats(0.01, 1.0)), min_size=1, max_size=40), st.integers(1, 30))
+def test_a_pruned_tree_keeps_the_most_probable_nodes_and_stays_a_tree(nodes, budget):
+    """EAGLE-2's rerank (greedy trees): the kept nodes are the `budget` of highest cumulative probability, every kept
+    node's parent is kept and comes before it, and fed nodes keep their draft-cache slots."""
+    from specextend.drafting import GrowingTree
+
+    tree = GrowingTree(root_position=10, slot0=11)
+    for i, (parent, prob) in enumerate(nodes):
+        parent = parent % (i + 1) - 1  # -1 (the root) or an earlier node
+        tree.tokens.append(i)
+        tree.parents.append(parent)
+        tree.depths.append(1 if parent < 0 else tree.depths[parent] + 1)
+        tree.cum.append((0.0 if parent < 0 else tree.cum[parent]) + math.log(prob))
+        tree.probs.append(prob)
+        tree.slot[i] = 11 + i
+    cum = list(tree.cum)
+    tree.prune(budget)
+    kept = tree.tokens  # tokens are the original node ids
+    assert len(kept) == min(budget, len(nodes)) and kept == sorted(kept)
+    assert sorted(cum[o] for o in kept) == sorted(cum)[::-1][: len(kept)][::-1] or len(kept) == len(nodes)
+    assert all(p < i for i, p in enumerate(tree.parents))
+    assert all(p < 0 or tree.tokens[p] == nodes_parent for p, nodes_parent in
+               zip(tree.parents, (nodes[o][0] % (o + 1) - 1 for o in kept)))
+    assert tree.slot == {i: 11 + o for i, o in enumerate(kept)}
+
+
+def test_a_greedy_tree_grows_past_its_budget_and_keeps_the_likeliest_nodes(llama_pair):
+    """With the rerank a greedy tree may reach deeper than growing level by level until the budget would."""
+    prompt = list(range(5, 40))
+    tree = DraftConfig(shape="tree", max_depth=6, node_budget=8, branch=2, children=2, stop_threshold=0.0)
+    trace = generate(llama_pair, prompt, preset("speculative", max_new_tokens=40, draft=tree))
+    drafted = [e for e in trace if isinstance(e, ev.Drafted)][:4]  # steps with room for the whole depth
+    assert all(len(d.tokens) == 8 for d in drafted)
+    depths = [max(node_depths(d.parents)) for d in drafted]
+    assert max(depths) > 3  # growing level by level, 2 + 4 nodes fill two levels and the budget ends the third
