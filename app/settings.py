@@ -6,8 +6,8 @@ and the limits that keep a shared app serving. Knows nothing of gradio or models
 | GRADIO_SERVER_NAME | 127.0.0.1 | address to bind (Spaces sets 0.0.0.0) |
 | GRADIO_SERVER_PORT | 7860 | port |
 | SPECEXTEND_PAIRS | (none) | extra pairs, comma-separated: a preset's name (PRESETS) or `target+draft` (hub ids, folders) |
-| SPECEXTEND_DEFAULT_PAIR | the first | the pair selected when the page opens: `bundled`, a preset's name or `target+draft` |
-| SPECEXTEND_HIDE_BUNDLED | 0 | 1 leaves the bundled CPU pair off the list |
+| SPECEXTEND_DEFAULT_PAIR | the first | the pair shown first: `bundled`, `bundled-draft-model`, a preset, `target+draft` |
+| SPECEXTEND_HIDE_BUNDLED | 0 | 1 leaves the bundled CPU pairs off the list |
 | SPECEXTEND_PRELOAD | 0 | 1 downloads and loads the default pair before serving (progress in the log; a failure stops start-up) |
 | SPECEXTEND_DTYPE | auto | the models' dtype: auto (bf16 or fp16 on a GPU, fp32 on CPU), bfloat16, float16, float32 |
 | SPECEXTEND_MAX_INPUT_TOKENS | 0 | longest prompt in tokens a run may read (0: the target's context is the only limit) |
@@ -27,7 +27,8 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
-BUNDLED = "bundled"
+BUNDLED = "bundled"  # the target with its EAGLE-3 head
+BUNDLED_DRAFT_MODEL = "bundled-draft-model"  # the target with its distilled draft model
 
 
 @dataclass(frozen=True)
@@ -41,10 +42,12 @@ class PairChoice:
 
     @property
     def bundled(self) -> bool:
-        return self.key == BUNDLED
+        return self.key in (BUNDLED, BUNDLED_DRAFT_MODEL)
 
 
-BUNDLED_PAIR = PairChoice(BUNDLED, "Bundled: SmolLM2-135M-Instruct target + its small SpecExtend draft (runs on CPU)")
+BUNDLED_PAIR = PairChoice(BUNDLED, "Bundled: SmolLM2-135M-Instruct target + its EAGLE-3 head (runs on CPU)")
+BUNDLED_PAIRS = (BUNDLED_PAIR, PairChoice(BUNDLED_DRAFT_MODEL, "Bundled: SmolLM2-135M-Instruct target + its small "
+                                          "distilled draft model (runs on CPU)"))
 
 # GPU pairs an operator enables by name. Each shares one tokenizer (Qwen2.5's embeddings differ only in padding);
 # the Llama pair is gated on the hub (HF_TOKEN of an account with access). Vicuna 7B 16K with a 68M draft is the
@@ -119,7 +122,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 class Settings:
     host: str = "127.0.0.1"
     port: int = 7860
-    pairs: tuple[PairChoice, ...] = (BUNDLED_PAIR,)  # offered, in this order
+    pairs: tuple[PairChoice, ...] = BUNDLED_PAIRS  # offered, in this order
     default_pair: str = ""  # the key selected when the page opens ("": the first offered)
     preload: bool = False  # load the default pair before serving
     dtype: str = "auto"
@@ -138,7 +141,8 @@ class Settings:
         if not self.pairs:
             raise ValueError("no model pair to serve: SPECEXTEND_HIDE_BUNDLED=1 needs a pair in SPECEXTEND_PAIRS")
         if self.default_pair and self.default_pair not in {p.key for p in self.pairs}:
-            fix = ("unset SPECEXTEND_HIDE_BUNDLED" if self.default_pair == BUNDLED else "add it to SPECEXTEND_PAIRS")
+            fix = ("unset SPECEXTEND_HIDE_BUNDLED" if self.default_pair in (BUNDLED, BUNDLED_DRAFT_MODEL)
+                   else "add it to SPECEXTEND_PAIRS")
             raise ValueError(f"SPECEXTEND_DEFAULT_PAIR {self.default_pair!r} is not among the offered pairs "
                              f"({', '.join(p.key for p in self.pairs)}); {fix}")
         if self.dtype not in DTYPES:
@@ -155,7 +159,7 @@ class Settings:
         return cls(
             host=env.get("GRADIO_SERVER_NAME", "").strip() or "127.0.0.1",
             port=_number(env, "GRADIO_SERVER_PORT", 7860, 1),
-            pairs=(*(() if hidden else (BUNDLED_PAIR,)), *parse_pairs(env.get("SPECEXTEND_PAIRS", ""))),
+            pairs=(*(() if hidden else BUNDLED_PAIRS), *parse_pairs(env.get("SPECEXTEND_PAIRS", ""))),
             default_pair=pair_key(env.get("SPECEXTEND_DEFAULT_PAIR", "")),
             preload=_flag(env, "SPECEXTEND_PRELOAD"),
             dtype=env.get("SPECEXTEND_DTYPE", "").strip() or "auto",

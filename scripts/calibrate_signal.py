@@ -190,8 +190,9 @@ def main(argv=None) -> int:
                        for i in ranking},
         "command": "python -m scripts.calibrate_signal " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
-    out = Path(args.out) if args.out else Path(draft_dir)
-    signal.save(out / signal.SIGNAL_FILE, chosen, signal.target_shape(pair.target), calibration)
+    # the signal is the target's: each bundled draft folder carries a copy, read when the pair loads
+    for out in [Path(args.out)] if args.out else [bundled.draft_dir(), bundled.draft_dir(bundled.HEAD_NAME)]:
+        signal.save(out / signal.SIGNAL_FILE, chosen, signal.target_shape(pair.target), calibration)
     if args.report:
         layers_share = {str(rows): torch.stack([x["share"][rows] for x in cases]).mean(dim=0)
                         .view(c.num_hidden_layers, c.num_attention_heads).tolist() for rows in ROWS}

@@ -1,6 +1,6 @@
 """The bundled target's EAGLE-3 head against its draft model, side by side in one process.
 
-Run from the repository root: `python -m scripts.head_race --head DIR [--lengths 7168,1024] [--docs 3]`, or with
+Run from the repository root: `python -m scripts.head_race [--head DIR] [--lengths 7168,1024] [--docs 3]`, or with
 `--files A.txt B.md` on other documents (the same prompt as the benchmark: the document's start, then the task).
 
 Methods, alternated on every input after a warm-up (greedy, fp32, one target shared by both drafts, the target's
@@ -46,7 +46,7 @@ def methods(base: dict) -> dict[str, tuple[str, object]]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--head", required=True, type=Path, help="the EAGLE head folder")
+    p.add_argument("--head", type=Path, default=None, help="the EAGLE head folder (default: the bundled head)")
     p.add_argument("--lengths", default="7168,1024")
     p.add_argument("--docs", type=int, default=3, help="the benchmark's longest eval documents")
     p.add_argument("--files", nargs="*", default=(), help="UTF-8 text files instead of the bundled documents")
@@ -55,11 +55,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, help="write every run's figures here as JSON lines")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    target_dir, draft_dir = bundled.default_pair()
+    target_dir = bundled.target_dir()
     tokenizer = read_tokenizer(target_dir)
-    model_pair = load_pair(target_dir, draft_dir, "cpu", "float32", tokenizer)
+    model_pair = load_pair(target_dir, bundled.draft_dir(), "cpu", "float32", tokenizer)
+    head = args.head or bundled.draft_dir(bundled.HEAD_NAME)
     pairs = {"model": model_pair,
-             "head": make_pair(model_pair.target, load_head(args.head, model_pair.target, model_pair.device, model_pair.dtype))}
+             "head": make_pair(model_pair.target, load_head(head, model_pair.target, model_pair.device, model_pair.dtype),
+                               calibrated=model_pair.calibrated)}  # the target's calibrated retrieval signal
     base = dict(max_new_tokens=args.max_new_tokens, eos_token_ids=stop_ids(tokenizer, model_pair.target))
     configs = methods(base)
     if args.only:

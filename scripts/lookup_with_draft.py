@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    target, draft = bundled.default_pair()
+    target, draft = bundled.target_dir(), bundled.draft_dir()  # the distilled draft model
     tokenizer = read_tokenizer(target)
     pair = load_pair(target, draft, "cpu", "float32", tokenizer)
     base = dict(max_new_tokens=args.max_new_tokens, eos_token_ids=stop_ids(tokenizer, pair.target))

@@ -178,7 +178,7 @@ def test_draft_dir_is_committed():
 def real_pair():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tdir, ddir = bundled.default_pair()
+    tdir, ddir = bundled.target_dir(), bundled.draft_dir()
     tok = AutoTokenizer.from_pretrained(tdir)
     target = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()
     draft = load_model(ddir, torch.device("cpu"), torch.float32, target=target)
@@ -222,3 +222,34 @@ def test_draft_agrees_with_target_on_plain_text(real_pair):
     with torch.inference_mode():
         agree = (target(input_ids=x).logits.argmax(-1) == draft(input_ids=x).logits.argmax(-1)).float().mean()
     assert agree > 0.12  # a trained draft, not random weights (~0.02); the measured figures are in its card
+
+
+def test_the_bundled_head_is_committed_and_reads_the_target():
+    """The default pair's draft: an EAGLE-3 head in its published layout, with the target's calibrated signal beside
+    it, that agrees with the target on held-out text far more often than chance."""
+    from specextend.heads import load_head, read_head
+    from specextend.signal import load as load_signal, target_shape
+
+    d = bundled.draft_dir(bundled.HEAD_NAME)
+    head = read_head(d)
+    assert head is not None and head.kind == "eagle3" and head.draft_vocab == 8192
+    assert (d / "model.safetensors").stat().st_size < 25 * 2**20 and (d / "README.md").is_file()
+    assert bundled.default_pair()[1] == d
+    tdir = bundled.target_dir()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tdir)
+    target = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()
+    assert load_signal(d, target_shape(target)) is not None
+    model = load_head(d, target, torch.device("cpu"), torch.float32)
+    text = bundled.documents("eval")[0].text()
+    ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"][:160]])
+    with torch.inference_mode():
+        out = target(input_ids=ids, output_hidden_states=True)
+        feats = torch.cat([out.hidden_states[i] for i in model.streams], dim=-1)
+        n = ids.shape[1] - 1
+        mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+        states = model(ids[:, 1:], feats[:, :n], torch.arange(n)[None], None, True, mask=mask)
+        guess = model.logits(states).argmax(-1)  # the head's guess of token i + 2 from position i
+    agree = (guess[0, :-1] == out.logits[0, 1:n].argmax(-1)).float().mean()
+    assert agree > 0.25  # a trained head, not random weights; the measured figures are in its card

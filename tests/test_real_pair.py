@@ -1,5 +1,6 @@
-"""The engine on the bundled SmolLM2-135M-Instruct target and its distilled draft (fp32, CPU):
-greedy output equals the target's own greedy output on a short real prompt, for every method."""
+"""The engine on the bundled SmolLM2-135M-Instruct target with each of its bundled drafts, the EAGLE-3 head and the
+distilled draft model (fp32, CPU): greedy output equals the target's own greedy output on a short real prompt, for
+every method."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from specextend.models import load_pair, read_tokenizer
 NEW = 20
 
 
-@pytest.fixture(scope="module")
-def real():
-    target, draft = bundled.default_pair()
+@pytest.fixture(scope="module", params=[bundled.HEAD_NAME, bundled.DRAFT_NAME])
+def real(request):
+    target, draft = bundled.target_dir(), bundled.draft_dir(request.param)
     tokenizer = read_tokenizer(target)
     pair = load_pair(target, draft, device="cpu", dtype="float32", tokenizer=tokenizer)
     text = bundled.documents("eval")[0].text()[:1500]

@@ -43,6 +43,7 @@ GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 TARGET_NAME = "SmolLM2-135M-Instruct"
 TARGET_CACHE_NAME = "smollm2-135m-instruct-q4_1-f32"
 DRAFT_NAME = "smollm2-135m-draft"
+HEAD_NAME = "smollm2-135m-eagle3"  # the bundled pair's draft: an EAGLE-3 head trained here (scripts/train_head.py)
 SOURCE_RECORD = "specextend_source.json"
 
 
@@ -203,17 +204,18 @@ def target_dir(progress: Progress | None = None) -> Path:
     return final
 
 
-def draft_dir() -> Path:
-    """The committed draft: ``assets/models/<DRAFT_NAME>/`` (config, weights, tokenizer, card)."""
-    path = ASSETS / "models" / DRAFT_NAME
+def draft_dir(name: str = DRAFT_NAME) -> Path:
+    """A committed draft: ``assets/models/<name>/`` (config, weights, card): the distilled draft model (with the pair's
+    tokenizer) by default, or the EAGLE-3 head (HEAD_NAME)."""
+    path = ASSETS / "models" / name
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"the bundled draft is missing from {path}")
     return path
 
 
 def default_pair(progress: Progress | None = None) -> tuple[Path, Path]:
-    """(target folder, draft folder) of the bundled default pair."""
-    return target_dir(progress), draft_dir()
+    """(target folder, draft folder) of the bundled default pair: the target and its EAGLE-3 head."""
+    return target_dir(progress), draft_dir(HEAD_NAME)
 
 
 def pair_or_default(target: str | None, draft: str | None) -> tuple[str | Path, str | Path]:

@@ -11,10 +11,13 @@ from .. import bundled
 from ...config import DraftConfig, GenerationConfig, RetrievalConfig, preset
 from ...drafting import ModelDrafter
 from ...engine import generate
+from ...feature_drafting import FeatureDrafter
+from ...heads import EagleHead
 from ...methods import DraftCache
 from ...models import ModelPair
 from ...retrieval import make_policy
 from ...signal import resolve
+from ...target import Target
 from ..probe import holds, needle_prompt, read_signals
 from .runs import Spread
 
@@ -30,14 +33,26 @@ def target_answer(pair: ModelPair, prompt: list[int], n: int) -> list[int]:
 
 def draft_answer(pair: ModelPair, config: GenerationConfig, policy_name: str, prompt: list[int],
                  scores: torch.Tensor | None, n: int) -> list[int]:
-    """The draft alone: prefill under the policy, one retrieval (the target's scores for CMR), n greedy tokens."""
+    """The draft alone: prefill under the policy, one retrieval (the target's scores for CMR), n greedy tokens. An
+    EAGLE head reads the target's streams of the prompt and drafts after the target's own first token (its first
+    answer token: the rest are the head's)."""
     policy = make_policy(policy_name, config.retrieval)
-    drafter = ModelDrafter(pair.draft, config.replace(draft=DraftConfig(k=n)), policy, len(prompt) + n + 2)
+    config, room = config.replace(draft=DraftConfig(k=n)), len(prompt) + n + 2
+    first: list[int] = []
+    if isinstance(pair.draft, EagleHead):
+        drafter = FeatureDrafter(pair.draft, config, policy, room)
+        target = Target(pair.target, config, room, features=drafter.features)
+        for _ in target.prefill(prompt, None):
+            pass
+        first = [int(target.logits[-1].argmax())]
+    else:
+        drafter = ModelDrafter(pair.draft, config, policy, room)
     for _ in drafter.prefill(prompt, None):
         pass
+    drafter.commit(first)
     if policy.name is not DraftCache.FULL:
         drafter.rebuild(scores if policy.needs_scores else None)
-    return list(drafter.propose(n, None).tokens)
+    return first + list(drafter.propose(n - len(first), None).tokens)
 
 
 def needle_signals(pair: ModelPair, retrieval: RetrievalConfig) -> dict[str, RetrievalConfig]:
