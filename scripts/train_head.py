@@ -30,7 +30,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from scripts import pd_corpus
-from specextend.heads import EAGLE3_ARCHITECTURE, EagleHead, config_like, feature_streams
+from specextend.heads import EAGLE3_ARCHITECTURE, EagleHead, config_like, feature_streams, load_head
 from specextend.tools import bundled, prompting
 
 TASKS = (prompting.DEFAULT_INSTRUCTION, "Summarize the passage above.", "What happens in the text above? Answer briefly.",
@@ -42,6 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", type=Path, required=True, help="the data folder (built when absent)")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--init", type=Path, help="continue from this head folder (its draft vocabulary kept)")
     p.add_argument("--windows", type=int, default=1200, help="plain text windows")
     p.add_argument("--chats", type=int, default=640, help="chat requests answered by the target")
     p.add_argument("--window", type=int, default=384)
@@ -216,8 +217,6 @@ def make_head(target, vocab_ids: torch.Tensor) -> EagleHead:
         head.d2t.copy_(vocab_ids - torch.arange(len(vocab_ids)))
         head.t2d.zero_()
         head.t2d[vocab_ids] = True
-    for p in target.parameters():
-        p.requires_grad_(False)
     return head
 
 
@@ -244,11 +243,17 @@ def main(argv=None) -> None:
     labels = torch.load(args.data / "labels.pt")
     feats = torch.load(args.data / "streams.pt", mmap=True)
     ids, mask, top_lp, top_id = labels["ids"], labels["mask"], labels["top_lp"], labels["top_id"]
-    stops = prompting.stop_ids(tokenizer, target.generation_config)
-    vocab_ids = draft_vocab(ids, mask, top_id, args.draft_vocab, target.config.vocab_size, stops)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    if args.init:
+        head = load_head(args.init, target, torch.device("cpu"), torch.float32)
+        vocab_ids = torch.arange(len(head.d2t)) + head.d2t
+    else:
+        stops = prompting.stop_ids(tokenizer, target.generation_config)
+        vocab_ids = draft_vocab(ids, mask, top_id, args.draft_vocab, target.config.vocab_size, stops)
+        head = make_head(target, vocab_ids)
     to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
     to_draft[vocab_ids] = torch.arange(len(vocab_ids))
-    head = make_head(target, vocab_ids)
     n = ids.shape[0]
     order = list(range(n))
     rng = random.Random(args.seed)
