@@ -19,7 +19,7 @@ import pytest
 
 from app import Settings, build_app, launch
 from app.runner import Knobs, build_config
-from app.settings import BUNDLED, parse_pairs
+from app.settings import BUNDLED, BUNDLED_DRAFT_MODEL, parse_pairs
 from app.trace import TraceError, loads
 
 from fixtures.fake_engine import fake_factory, fake_generate
@@ -224,9 +224,10 @@ def test_knobs_build_the_method_presets():
         build_config("specextend", Knobs(max_new_tokens=1000), max_new_tokens_cap=256)
 
 
-def test_settings_default_to_localhost_and_the_bundled_pair_only():
+def test_settings_default_to_localhost_and_the_bundled_pairs_only():
+    """The bundled target with its EAGLE-3 head first, then with its distilled draft model; nothing else unasked."""
     settings = Settings.from_env({})
-    assert settings.host == "127.0.0.1" and [p.key for p in settings.pairs] == [BUNDLED]
+    assert settings.host == "127.0.0.1" and [p.key for p in settings.pairs] == [BUNDLED, BUNDLED_DRAFT_MODEL]
     with pytest.raises(ValueError, match="allow-list"):
         settings.pair("meta-llama/Llama-3.1-8B-Instruct+meta-llama/Llama-3.2-1B-Instruct")
     allowed = Settings.from_env({"SPECEXTEND_PAIRS": "a/target+a/draft, b/t + b/d", "GRADIO_SERVER_NAME": "0.0.0.0"})
@@ -247,7 +248,7 @@ def test_a_preset_named_by_the_operator_is_offered_and_selected_and_the_bundled_
 
     env = {"SPECEXTEND_PAIRS": "qwen2.5-7b, vicuna-7b-16k", "SPECEXTEND_DEFAULT_PAIR": "qwen2.5-7b"}
     props = pair_dropdown(Settings.from_env(env))
-    assert [key for _, key in props["choices"]] == [BUNDLED, "qwen2.5-7b", "vicuna-7b-16k"]
+    assert [key for _, key in props["choices"]] == [BUNDLED, BUNDLED_DRAFT_MODEL, "qwen2.5-7b", "vicuna-7b-16k"]
     assert props["value"] == "qwen2.5-7b" and PRESETS["qwen2.5-7b"].target == "Qwen/Qwen2.5-7B-Instruct"
     spaced = Settings.from_env({"SPECEXTEND_PAIRS": "a/t + a/d", "SPECEXTEND_DEFAULT_PAIR": " a/t + a/d "})
     assert spaced.default.key == "a/t+a/d"  # written as the operator likes, matched as the list has it
