@@ -32,6 +32,8 @@ LLAMA_8B = dict(model_type="llama", layers=32, hidden=4096, heads=32, kv=8, head
                 context=131072, tied=False, rope={**LLAMA3, "factor": 8.0})  # Llama 3.1 8B and the R1 distill
 QWEN3_8B = dict(model_type="qwen3", layers=36, hidden=4096, heads=32, kv=8, head_dim=128, inter=12288, rows=151936,
                 context=40960, tied=False, rope={"rope_type": "default", "rope_theta": 1e6})
+LLAMA_8B_EAGLE3 = dict(model_type="eagle3", hidden=4096, heads=32, kv=8, head_dim=128, inter=14336, rows=128256,
+                       draft_vocab=32000, context=2048, rope={"rope_type": "default", "rope_theta": 500000.0})
 HEAD_KINDS = ("eagle", "eagle3")
 SHAPES = {
     "qwen2.5-7b": (
@@ -59,8 +61,7 @@ SHAPES = {
     # EAGLE heads (a draft shape's model_type names the kind): hidden, heads, intermediate, vocabulary as published
     "llama-3.1-8b-eagle3": (
         LLAMA_8B,
-        dict(model_type="eagle3", hidden=4096, heads=32, kv=8, head_dim=128, inter=14336, rows=128256,
-             draft_vocab=32000, context=2048, rope={"rope_type": "default", "rope_theta": 500000.0}),
+        LLAMA_8B_EAGLE3,
         128256),
     "vicuna-7b-eagle": (
         dict(model_type="llama", layers=32, hidden=4096, heads=32, kv=32, head_dim=128, inter=11008, rows=32000,
@@ -70,8 +71,7 @@ SHAPES = {
         32000),
     "deepseek-r1-llama-8b-eagle3": (
         LLAMA_8B,
-        dict(model_type="eagle3", hidden=4096, heads=32, kv=8, head_dim=128, inter=14336, rows=128256,
-             draft_vocab=32000, context=2048, rope={"rope_type": "default", "rope_theta": 500000.0}),
+        LLAMA_8B_EAGLE3,
         128256),
     "qwen3-8b-eagle3": (
         QWEN3_8B,

@@ -28,7 +28,7 @@ from specextend.metrics import summarize
 from specextend.models import load_pair, make_pair, read_tokenizer
 from specextend.target import SharedPrefill
 from specextend.tools import bundled
-from specextend.tools.bench import make_inputs, make_prompt
+from specextend.tools.bench import make_inputs
 from specextend.tools.prompting import DEFAULT_INSTRUCTION, stop_ids
 
 
@@ -67,12 +67,7 @@ def main(argv=None) -> int:
     if args.only:
         configs = {k: v for k, v in configs.items() if k in args.only.split(",") or k == "target alone"}
     lengths = [int(x) for x in args.lengths.split(",")]
-    if args.files:
-        inputs = [{"length": n, "document": Path(f).name,
-                   "prompt": make_prompt(tokenizer, Path(f).read_text(encoding="utf-8"), n, DEFAULT_INSTRUCTION)}
-                  for n in lengths for f in args.files]
-    else:
-        inputs = make_inputs(tokenizer, lengths, args.docs, DEFAULT_INSTRUCTION)
+    inputs = make_inputs(tokenizer, lengths, args.docs, DEFAULT_INSTRUCTION, args.files)
     for draft, config in configs.values():  # warm-up: kernel choices, first allocations
         list(generate(pairs[draft], inputs[0]["prompt"][:256], config.replace(max_new_tokens=8)))
     log = args.out.open("w") if args.out else None

@@ -18,12 +18,11 @@ import argparse
 import os
 import statistics
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
 from specextend.tools import bundled
-from specextend.tools.bench import make_inputs, make_prompt, run_engine
+from specextend.tools.bench import make_inputs, run_engine
 from specextend.tools.prompting import DEFAULT_INSTRUCTION, stop_ids
 from specextend.config import LookupConfig, preset
 from specextend.models import load_pair, read_tokenizer
@@ -69,12 +68,7 @@ def main(argv=None) -> int:
             "specextend", lookup=replace(lk, enabled=True, with_draft="always", draft_gate=0.0), **base),
     }
     lengths = [int(x) for x in args.lengths.split(",")]
-    if args.files:
-        inputs = [{"length": n, "document": Path(f).name,
-                   "prompt": make_prompt(tokenizer, Path(f).read_text(encoding="utf-8"), n, DEFAULT_INSTRUCTION)}
-                  for n in lengths for f in args.files]
-    else:
-        inputs = make_inputs(tokenizer, lengths, args.docs, DEFAULT_INSTRUCTION)
+    inputs = make_inputs(tokenizer, lengths, args.docs, DEFAULT_INSTRUCTION, args.files)
     for config in configs.values():  # warm-up
         run_engine(pair, inputs[0]["prompt"][:256], config.replace(max_new_tokens=8))
     speed: dict[int, dict[str, dict[str, float]]] = {}

@@ -4,6 +4,7 @@ transformers' own peers), and prompts cut from the bundled eval documents to eac
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 from .. import bundled, prompting
 from ...config import AttentionConfig, GenerationConfig, LookupConfig, RetrievalConfig, preset
@@ -72,8 +73,12 @@ def make_prompt(tokenizer, text: str, length: int, instruction: str) -> list[int
     return prompting.encode(tokenizer, cut_text(tokenizer, text, length - overhead), instruction, limit=length).ids
 
 
-def make_inputs(tokenizer, lengths: list[int], n_docs: int, instruction: str) -> list[dict]:
-    """The `n_docs` longest eval documents, each cut to every length (the same documents at every length)."""
-    docs = sorted(bundled.documents("eval"), key=lambda d: -d.tokens)[:n_docs]
-    return [{"length": length, "document": d.name, "prompt": make_prompt(tokenizer, d.text(), length, instruction)}
-            for length in lengths for d in docs]
+def make_inputs(tokenizer, lengths: list[int], n_docs: int, instruction: str, files: list[str] = ()) -> list[dict]:
+    """The `n_docs` longest eval documents, or the UTF-8 text `files` when given (text nobody tuned for), each cut
+    to every length (the same documents at every length)."""
+    if files:
+        texts = [(Path(f).name, Path(f).read_text(encoding="utf-8")) for f in files]
+    else:
+        texts = [(d.name, d.text()) for d in sorted(bundled.documents("eval"), key=lambda d: -d.tokens)[:n_docs]]
+    return [{"length": length, "document": name, "prompt": make_prompt(tokenizer, text, length, instruction)}
+            for length in lengths for name, text in texts]
