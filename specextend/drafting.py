@@ -1,16 +1,18 @@
-"""Drafting: the draft model proposes a chain or a dynamic tree from its working cache.
+"""Drafting: a draft (the draft model here; an EAGLE head in feature_drafting.py) proposes a chain or a dynamic
+tree from its working cache.
 
-`ModelDrafter` owns the draft's two caches: the STORE (every committed token's KV, as the draft first
-computed it) and the WORKING cache it drafts from. A draft-cache policy (retrieval.py) says which store
-positions the working cache holds; `rebuild` gathers them and re-positions them compactly, so the draft
-only ever sees RoPE distances it knows. Under the `full` policy the store is the working cache.
+`PolicyDrafter` owns a drafter's two caches: the STORE (every committed token's KV, as the draft first computed
+it) and the WORKING cache it drafts from. A draft-cache policy (retrieval.py) says which store positions the
+working cache holds; `rebuild` gathers them and re-positions them compactly, so the draft only ever sees RoPE
+distances it knows. Under the `full` policy the store is the working cache. `ModelDrafter` drafts with a causal LM.
 
 A tree grows level by level: the `branch` frontier nodes with the highest cumulative draft probability
 are fed to the draft together (tree mask) and each gets `children` children, until the node budget, the
-depth limit, or the stop threshold. Children are the top draft tokens (greedy) or drawn without
-replacement from q (sampling), which is what keeps recursive rejection sampling exact. A chain is the
-tree with branch 1 and children 1.
-Knows the draft model and its caches; knows nothing of the target or of verification.
+depth limit, or the stop threshold; a greedy tree grows past its budget and keeps its most probable nodes
+(EAGLE-2's rerank). Children are the top draft tokens (greedy) or drawn without replacement from q
+(sampling), which is what keeps recursive rejection sampling exact. A chain is the tree with branch 1 and
+children 1.
+Knows drafts and their caches; knows nothing of the target or of verification.
 """
 
 from __future__ import annotations
@@ -64,51 +66,6 @@ class DraftTree:
     def point(self) -> tuple[bool, ...]:
         """Per node: its proposal is a point mass on its token (a lookup proposed it), not a draw from q."""
         return tuple(s != "draft" for s in self.sources)
-
-
-def graft(tree: DraftTree, copied: list[tuple[tuple[int, ...], int]]) -> DraftTree:
-    """The tree with lookup branches added at the root: `copied` holds (tokens, first copied position) each.
-
-    Branches become a trie placed BEFORE the draft's nodes, so at every node lookup children are tried first
-    (verification treats them as point masses); a draft node with the same parent and token as a lookup
-    node is that node ("both"), and keeps its q row for its own children.
-    """
-    tokens: list[int] = []
-    parents: list[int] = []
-    probs: list[float] = []
-    sources: list[str] = []
-    origins: list[int] = []
-    child: dict[tuple[int, int], int] = {}
-
-    def add(parent: int, token: int, source: str, origin: int, prob: float) -> int:
-        node = child.get((parent, token))
-        if node is None:
-            node = child[(parent, token)] = len(tokens)
-            tokens.append(token)
-            parents.append(parent)
-            probs.append(prob)
-            sources.append(source)
-            origins.append(origin)
-        elif sources[node] != source:
-            sources[node], probs[node] = "both", prob
-        return node
-
-    for branch, start in copied:
-        parent = -1
-        for i, token in enumerate(branch):
-            parent = add(parent, token, "lookup", start + i, 1.0)
-    merged: dict[int, int] = {-1: -1}  # draft node -> node of the grafted tree
-    for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
-        merged[i] = add(merged[parent], token, "draft", -1, tree.probs[i])
-    q = None
-    if tree.q is not None:
-        q = tree.q.new_zeros(len(tokens) + 1, tree.q.shape[-1])  # (N+1, V)
-        q[[m + 1 for m in merged.values()]] = tree.q[[d + 1 for d in merged]]
-    depths: list[int] = []
-    for parent in parents:
-        depths.append(1 if parent < 0 else depths[parent] + 1)
-    return DraftTree(tuple(tokens), tuple(parents), tuple(depths), tuple(probs), q, tree.forwards, tuple(sources),
-                     tuple(origins))
 
 
 def tree_mask(parents: tuple[int, ...] | list[int]) -> torch.Tensor:

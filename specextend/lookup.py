@@ -8,7 +8,7 @@ first tokens, longer n-grams first. `continuations` finds matches by scanning (t
 the two agree. `replay` runs lookup drafting on a known greedy output, with no model, for offline sweeps.
 
 `LookupDrafter` proposes those continuations as branches of a draft tree; `MergedDrafter` grafts them onto
-the draft model's tree so the target verifies both in one forward. A lookup proposal is deterministic:
+the draft's tree (`graft`) so the target verifies both in one forward. A lookup proposal is deterministic:
 under sampling its q is a point mass (DraftTree.point), which verification handles exactly.
 Knows token ids, positions and trees; knows nothing of models, caches or the target.
 """
@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from .config import LookupConfig
-from .drafting import Cacheless, DraftTree, PolicyDrafter, graft, token_path
+from .drafting import Cacheless, DraftTree, PolicyDrafter, token_path
 from .retrieval import Selection
 from .verification import verify_greedy
 
@@ -130,6 +130,51 @@ def replay(prompt: Sequence[int], output: Sequence[int], config: LookupConfig, m
         done += len(committed)
         steps.append((len(path), len(tree.tokens)))
     return steps
+
+
+def graft(tree: DraftTree, copied: list[tuple[tuple[int, ...], int]]) -> DraftTree:
+    """The tree with lookup branches added at the root: `copied` holds (tokens, first copied position) each.
+
+    Branches become a trie placed BEFORE the draft's nodes, so at every node lookup children are tried first
+    (verification treats them as point masses); a draft node with the same parent and token as a lookup
+    node is that node ("both"), and keeps its q row for its own children.
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    probs: list[float] = []
+    sources: list[str] = []
+    origins: list[int] = []
+    child: dict[tuple[int, int], int] = {}
+
+    def add(parent: int, token: int, source: str, origin: int, prob: float) -> int:
+        node = child.get((parent, token))
+        if node is None:
+            node = child[(parent, token)] = len(tokens)
+            tokens.append(token)
+            parents.append(parent)
+            probs.append(prob)
+            sources.append(source)
+            origins.append(origin)
+        elif sources[node] != source:
+            sources[node], probs[node] = "both", prob
+        return node
+
+    for branch, start in copied:
+        parent = -1
+        for i, token in enumerate(branch):
+            parent = add(parent, token, "lookup", start + i, 1.0)
+    merged: dict[int, int] = {-1: -1}  # draft node -> node of the grafted tree
+    for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
+        merged[i] = add(merged[parent], token, "draft", -1, tree.probs[i])
+    q = None
+    if tree.q is not None:
+        q = tree.q.new_zeros(len(tokens) + 1, tree.q.shape[-1])  # (N+1, V)
+        q[[m + 1 for m in merged.values()]] = tree.q[[d + 1 for d in merged]]
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return DraftTree(tuple(tokens), tuple(parents), tuple(depths), tuple(probs), q, tree.forwards, tuple(sources),
+                     tuple(origins))
 
 
 class LookupDrafter(Cacheless):

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from conftest import VOCAB, reference_greedy
 from specextend import events as ev
 from specextend.config import DraftConfig, GenerationConfig, LookupConfig, RetrievalConfig, preset
-from specextend.drafting import DraftTree, graft
+from specextend.drafting import DraftTree
+from specextend.lookup import graft
 from specextend.engine import generate
 from specextend.lookup import (
     GATE_RETRY, GATE_USES, Continuation, LookupDrafter, NgramIndex, continuations, replay,

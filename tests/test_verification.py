@@ -20,7 +20,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from specextend.drafting import DraftTree, draw_children, graft
+from specextend.drafting import DraftTree, draw_children
+from specextend.lookup import graft
 from specextend.verification import children_of, sampling_probs, verify_greedy, verify_sampling
 
 V = 6
