@@ -26,6 +26,7 @@ class PairFacts:
     """What the configs and tokenizers of a pair say, read before its weights load."""
 
     shared_vocab: int | None  # ids both tokenizers define: [0, shared_vocab); None: no draft
+    head: Any = None  # the draft's folder as read when the draft is an EAGLE head (heads.HeadFolder), else None
 
 
 def rope_of(config) -> dict:

@@ -100,16 +100,16 @@ def read_head(source: str | Path) -> HeadFolder | None:
     if not config_file.is_file() or weights is None:
         return None
     raw = json.loads(config_file.read_text())
+    keys = _weight_keys(weights)
     if EAGLE3_ARCHITECTURE in (raw.get("architectures") or []):
         kind = "eagle3"
+    elif "fc.weight" not in keys:
+        return None
     else:
-        keys = _weight_keys(weights)
-        if "fc.weight" not in keys:
-            return None
         kind = "eagle3" if any(k.startswith("midlayer.") for k in keys) else "eagle"
     raw = {k: v for k, v in raw.items() if k not in ("architectures", "model_type", "num_hidden_layers")}
     config = LlamaConfig(**raw, num_hidden_layers=1)
-    return HeadFolder(kind, config, weights, _weight_keys(weights))
+    return HeadFolder(kind, config, weights, keys)
 
 
 def config_like(target_config, draft_vocab: int | None = None, **changes) -> LlamaConfig:

@@ -277,9 +277,8 @@ def load_pair(
     spread = dev.type == "cuda" and torch.cuda.device_count() > 1
     target_model = load_model(target, dev, dt, device_map="auto" if spread else None)
     first = next(target_model.parameters()).device
-    head = heads.read_head(draft) if draft is not None else None
-    if head is not None:
-        draft_model = heads.load_head(draft, target_model, first, dt, head)
+    if facts.head is not None:
+        draft_model = heads.load_head(draft, target_model, first, dt, facts.head)
     else:
         draft_model = load_model(draft, first, dt, target=target_model) if draft is not None else None
     calibrated = signal.load(draft, signal.target_shape(target_model)) if draft is not None and Path(draft).is_dir() else None
@@ -312,7 +311,7 @@ def read_pair(target: str | Path, draft: str | Path | None = None, tokenizer: An
     read_target = read(target, tokenizer)  # an EAGLE head ships no tokenizer: it reads the target's ids
     facts = check_pair(read_target, None)
     heads.check_head(read_target[0], head.kind, head.config, "embed_tokens.weight" in head.keys, draft)
-    return facts
+    return replace(facts, head=head)
 
 
 def rope_inv_freq(model: PreTrainedModel) -> torch.Tensor:

@@ -72,13 +72,15 @@ class FeatureRows:
             picked[i] = (h if rows is None else h.index_select(0, rows.to(h.device))).clone()
         self.queue.append(picked)
 
+    def queued(self) -> Streams:
+        """The queued rows, oldest first, per stream ({} when none are queued); the queue stays."""
+        return {i: torch.cat([q[i] for q in self.queue]) for i in self.streams} if self.queue else {}
+
     def take(self) -> torch.Tensor | None:
         """The queued rows as features (T, F), oldest first (None when none are queued); the queue empties."""
-        if not self.queue:
-            return None
-        joined = {i: torch.cat([q[i] for q in self.queue]) for i in self.streams}
+        joined = self.queued()
         self.queue = []
-        return self.convert(joined)
+        return self.convert(joined) if joined else None
 
 
 @dataclass
@@ -106,8 +108,7 @@ class SharedPrefill:
         self.kv = target.cache.gather(torch.arange(target.cache.length))
         self.rope_positions = target.cache.rope_positions.clone()
         self.window = None if target.window is None else target.window.copy()
-        rows = target.features.queue if target.features is not None else []
-        self.streams = {i: torch.cat([q[i] for q in rows]) for i in target.features.streams} if rows else {}
+        self.streams = target.features.queued() if target.features is not None else {}
 
 
 class Target:

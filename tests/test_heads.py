@@ -313,3 +313,18 @@ def test_the_run_and_its_panels_name_the_head(head_pair):
     assert f"the {name}'s tokens" in headline and "draft model" not in headline
     alone = list(generate(head_pair, list(range(3, 30)), preset("autoregressive", max_new_tokens=2)))
     assert alone[0].draft_name == ""
+
+
+def test_a_race_shares_the_targets_prefill_with_its_streams(head_pair):
+    """Methods of a race read one prompt once: a head's run after another head's run copies the prefill, streams
+    included, and still gives the target's own output; a run that kept no streams is not copied for a head."""
+    from specextend.events import Prefilled
+    from specextend.target import SharedPrefill
+
+    prompt = [int(t) for t in torch.randint(0, VOCAB, (41,), generator=torch.Generator().manual_seed(6))]
+    shared, reference = SharedPrefill(), reference_greedy(head_pair.target, prompt, 12)
+    runs = [list(generate(head_pair, prompt, preset(m, max_new_tokens=12, retrieval=SMALL_CACHE), shared=shared))
+            for m in ("autoregressive", "specextend", "speculative")]
+    copied = [next(e.shared for e in run if isinstance(e, Prefilled)) for run in runs]
+    assert copied == [False, False, True]
+    assert all(list(run[-1].token_ids) == reference for run in runs)
