@@ -89,8 +89,8 @@ def test_a_run_streams_every_panel_and_exports_a_replayable_trace(client):
 
 @pytest.mark.parametrize("args,message", [
     (run_args(document="   \n"), "The document is empty"),
-    (run_args(top_k=1), "top_k=1 leaves no room"),
-    (run_args(chunk=0), "chunk_size must be at least 1"),
+    (run_args(top_k=1), "top-k chunks kept = 1 leaves no room"),
+    (run_args(chunk=0), "chunk size must be at least 1"),
     (run_args(temperature=-1), "temperature must be between 0 (greedy) and 10"),
     (run_args(temperature=1e6), "temperature must be between 0 (greedy) and 10, got 1000000.0"),
     (run_args(seed=2**80), f"seed must be a whole number from 0 to {2**63 - 1}"),
@@ -188,10 +188,10 @@ def test_stop_ends_a_run_midway(client):
     job = client.submit(*run_args(race=("autoregressive",), max_new=256), api_name="/run")
     while len(job.outputs()) < 2:  # streaming has begun
         time.sleep(0.05)
-    stop_status = client.predict(api_name="/stop")
-    assert "Stopping" in stop_status
+    client.predict(api_name="/stop")  # answers once the run has ended (it ends after the current step)
     status = job.result()[0]
-    assert "SpecExtend: stopped" in status and "target alone" not in status
+    assert "Stopped, as asked" in status and "SpecExtend: stopped" in status and "target alone" not in status
+    assert "Nothing is running" in client.predict(api_name="/stop")
 
 
 def test_two_users_at_once_share_the_queue(server):
@@ -493,3 +493,120 @@ def test_runs_finishing_at_once_export_their_traces_without_losing_one(monkeypat
     assert not errors and len(set(paths)) == 80
     kept = sorted(studio.trace_dir.glob("*.json"))
     assert len(kept) == 5 and {str(p) for p in kept} == set(sorted(paths, key=lambda p: int(p[:-5].rsplit("-", 1)[1]))[-5:])
+
+
+def drive(handler, *args) -> list[tuple]:
+    """Every message a streaming handler yields, to its end."""
+    return list(handler(*args))
+
+
+def studio_run(studio, state, **overrides):
+    """A direct call of the Studio's run handler with the test's knobs, by the API's parameter names."""
+    args = dict(document=DOC, task="Summarize.", pair=BUNDLED, method="specextend", race=[], chart_every="0",
+                max_new_tokens=48, top_k=6, retrieve_every=3)
+    return studio.run(state, **{**args, **overrides})
+
+
+def test_run_pressed_during_a_run_says_a_run_is_going_until_it_ends():
+    """The page ignores Run while this tab's run goes; the click's immediate answer says so, and the notice stays
+    in the status lines the run streams (progress lines must not overwrite it) until the run ends."""
+    from app.ui import RUN_IS_GOING, SessionState, Studio
+
+    studio = Studio(fake_factory(step_s=0.02), Settings())
+    state = SessionState()
+    stream = studio_run(studio, state, max_new_tokens=120)
+    first = next(stream)
+    assert RUN_IS_GOING not in html.unescape(first[0])
+    assert RUN_IS_GOING in html.unescape(studio.queued(state))  # the click's answer, at once
+    rest = list(stream)
+    live = [html.unescape(m[0]) for m in rest[:-1]]
+    assert live and all(RUN_IS_GOING in s for s in live)  # every progress message keeps it
+    assert "Done." in rest[-1][0] and RUN_IS_GOING not in html.unescape(rest[-1][0])
+    assert "a slot is free" in studio.queued(state)  # once ended, a click starts a run again
+
+
+def test_stop_is_said_until_the_run_ends_and_then_the_end_is_said(monkeypatch):
+    """Once Stop is pressed no progress line replaces "Stopping" while the run winds down; the run's last message
+    says it stopped as asked; Stop's own answer is "Stopping" only while the run has not ended (else it leaves the
+    run's last word in place), so it can never land after that word and stay."""
+    from app import ui
+    from app.ui import STOPPING, SessionState, Studio
+
+    studio = Studio(fake_factory(step_s=0.05), Settings())
+    state = SessionState()
+    stream = studio_run(studio, state, max_new_tokens=200, race=["autoregressive"])
+    next(stream)
+    next(stream)
+    monkeypatch.setattr(ui, "STOP_WAIT_S", 0.0)  # answer at once, before the run has wound down
+    assert STOPPING in html.unescape(studio.stop(state))
+    after = [html.unescape(m[0]) for m in stream]
+    assert all("tokens generated" not in s and "prefill" not in s for s in after), after
+    assert "Stopped, as asked" in after[-1] and "Done." not in after[-1]
+    monkeypatch.setattr(ui, "STOP_WAIT_S", 5.0)
+    stream = studio_run(studio, state, max_new_tokens=200)
+    next(stream)
+    answer = studio.stop(state)  # the run ends within the wait: Stop leaves the run's own last word
+    assert state.job.done.is_set() and not isinstance(answer, str)
+    assert "Stopped, as asked" in html.unescape(list(stream)[-1][0])
+    assert "Nothing is running" in studio.stop(state)
+
+
+def test_a_refused_run_leaves_no_waiting_text(client):
+    """A prompt over the model's limit is refused once the model is loaded: the output panel then says nothing was
+    generated, not that the run is waiting to start."""
+    status, output = client.predict(*run_args(document=" ".join(["long"] * 2100)), api_name="/run")[:2]
+    assert "exceeds the model's limit" in html.unescape(status)
+    assert "Nothing was generated" in output and "waiting" not in output
+
+
+def test_the_api_names_every_parameter_and_output_and_refuses_in_the_pages_words(client):
+    """`/run`'s knobs are named as the page's controls are, not param_7..., its outputs by their panels, not
+    value_17...; a refused knob is named as the page labels it (not the engine's field name)."""
+    from app.ui import KNOB_NAMES
+
+    api = client.view_api(print_info=False, return_format="dict")["named_endpoints"]
+    run = [p["parameter_name"] for p in api["/run"]["parameters"]]
+    assert run == ["document", "task", "pair", "method", "race", "chart_every", *KNOB_NAMES]
+    for name, endpoint in api.items():
+        assert not any(p["parameter_name"].startswith("param_") for p in endpoint["parameters"]), name
+        assert not any((r.get("label") or "value_").startswith("value_") for r in endpoint["returns"]), name
+    assert [r["label"] for r in api["/run"]["returns"]][:3] == ["status", "output", "exactness"]
+    status = client.predict(document=DOC, chunk_size=0, api_name="/run")[0]
+    assert "chunk size must be at least 1 token" in status and "chunk_size" not in status
+    status = client.predict(document=DOC, top_k=1, api_name="/run")[0]
+    assert "top-k chunks kept" in status and "top_k" not in status
+    from app.ui import SessionState, Studio
+
+    studio = Studio(fake_factory(), Settings())  # past the page's own checks (its list of haystacks, its sliders)
+    for args, said in ((("no-such-text", 4000, 50, 0, 8, 12), "no bundled document named 'no-such-text'"),
+                       (("hamlet_opening", None, 50, 0, 8, 12), "haystack length must be a whole number"),
+                       (("hamlet_opening", 4000, float("nan"), 0, 8, 12), "needle depth is a share"),
+                       (("hamlet_opening", 4000, 50, 0, 8, float("inf")), "max new tokens must be a whole number")):
+        assert said in html.unescape(drive(studio.needle, SessionState(), *args)[-1][0])
+
+
+def test_each_tab_owns_its_runs():
+    """The Long-document tab and the needle tab hold separate session states: a needle run neither stops the main
+    run nor shows in its step control, and each tab's Stop reaches its own run only."""
+    demo = build_app(fake_factory(), Settings())
+    config = demo.config
+    deps = {d["api_name"]: d for d in config["dependencies"] if d.get("api_name")}
+    states = {c["id"] for c in config["components"] if c["type"] == "state"}
+    first = lambda name: [i for i in deps[name]["inputs"] if i in states]  # noqa: E731
+    assert len(first("run")) == len(first("needle")) == 1 and first("run") != first("needle")
+    assert first("stop") == first("run") and first("needle_stop") == first("needle")
+    assert first("replay") == first("run")  # a replay is stepped through on the Long-document tab
+
+
+def test_the_step_control_follows_keys_and_typing_and_ids_are_unique():
+    """The slider's `input` event (keys, typing, dragging) redraws the panels, not only its release; no two
+    components share an element id (a gradio Group renders its elem_id twice, so the step control is a Column)."""
+    demo = build_app(fake_factory(), Settings())
+    config = demo.config
+    slider = next(c for c in config["components"] if c.get("props", {}).get("elem_id") == "step-slider")
+    events = [t for d in config["dependencies"] for t in d["targets"] if t[0] == slider["id"]]
+    assert ("input" in {e for _, e in events}) and "release" not in {e for _, e in events}
+    ids = [c["props"]["elem_id"] for c in config["components"] if c.get("props", {}).get("elem_id")]
+    assert len(ids) == len(set(ids))
+    stepper = next(c for c in config["components"] if c.get("props", {}).get("elem_id") == "stepper")
+    assert stepper["type"] == "column"
