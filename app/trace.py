@@ -64,12 +64,16 @@ class TableCodec:
 
 
 MAX_TOKEN_ID = 2**31 - 1  # larger than any vocabulary
+MAX_RUN_S = 86_400.0  # a run's clock reads at most a day: later times are not a recorded run's (replay waits on them)
+TIME_SLACK_S = 1e-3  # a phase's time and the clock are read a moment apart
+MAX_LOAD = 1_000.0  # the largest load per core a recorded machine_load may say
 
 
 def loads(text: str) -> tuple[dict[str, list[Event]], TableCodec, dict[str, Any]]:
     """(runs by method, a codec for their tokens, meta) from a studio trace or a plain engine trace. Everything
     is checked before anything is replayed: types and ranges per field (events.from_dict), then each run's
-    structure (`check_run`); the first problem is a TraceError that says where it is."""
+    structure and times (`check_run`) and the recorded machine's load in meta; the first problem is a TraceError
+    that says where it is."""
     try:
         data = json.loads(text)
     except RecursionError:
@@ -93,6 +97,10 @@ def loads(text: str) -> tuple[dict[str, list[Event]], TableCodec, dict[str, Any]
         raise TraceError("the trace holds no events")
     for method, events in runs.items():
         check_run(method, events)
+    load = meta.get("machine_load")
+    if load is not None and (isinstance(load, bool) or not isinstance(load, (int, float)) or not 0 <= load <= MAX_LOAD):
+        raise TraceError(f"'meta.machine_load' should be the recorded machine's load per core, a number from 0 to "
+                         f"{MAX_LOAD:,.0f}, got {load!r:.40}")
     return runs, TableCodec(table), meta
 
 
@@ -127,10 +135,13 @@ def check_run(method: str, events: Sequence[Event]) -> None:
     if not events or not isinstance(events[0], Started) or events[0].method != method:
         raise TraceError(f"the {method} run should begin with its Started event")
     trees: dict[int, int] = {}  # step -> nodes drafted
+    clock = 0.0  # the run's time so far
     for i, e in enumerate(events):
         where = f"{method} event {i} ({type(e).__name__})"
         if isinstance(e, Started) and i:
             raise TraceError(f"{where}: a run starts once")
+        check_times(where, e, clock)
+        clock = e.t_s
         for ids in event_token_ids(e):
             if any(not 0 <= t <= MAX_TOKEN_ID for t in ids):
                 raise TraceError(f"{where}: token ids must lie in [0, {MAX_TOKEN_ID}]")
@@ -160,3 +171,21 @@ def check_run(method: str, events: Sequence[Event]) -> None:
                 raise TraceError(f"{where}: chunks need a positive size and spans [start, end) with start < end")
             if len(e.scores) not in (0, n) or any(not 0 <= c < n for c in e.selected):
                 raise TraceError(f"{where}: scores and selected chunks must refer to the trace's chunks")
+
+
+def check_times(where: str, e: Event, clock: float) -> None:
+    """Times a recorded run can have: its clock within a day and never going back (`clock`: the event before's), no
+    phase negative or longer than the run so far. Replay at recorded pace waits on them, the speed table divides by
+    them."""
+    if not 0 <= e.t_s <= MAX_RUN_S:
+        raise TraceError(f"{where}: its time is {e.t_s:.3g} s, but a recorded run's clock reads from 0 to "
+                         f"{MAX_RUN_S:,.0f} s (a day): these are not a recorded run's times")
+    if e.t_s < clock:
+        raise TraceError(f"{where}: its time, {e.t_s:.3f} s, is earlier than the event before it ({clock:.3f} s): "
+                         "a run's clock never goes back")
+    phases = {"elapsed_s": e.elapsed_s, **({"target_s": e.target_s, "draft_s": e.draft_s}
+                                           if isinstance(e, ev.Prefilled) else {})}
+    for name, seconds in phases.items():
+        if not 0 <= seconds <= e.t_s + TIME_SLACK_S:
+            raise TraceError(f"{where}: {name} is {seconds:.3g} s, but the run had taken {e.t_s:.3f} s by then: "
+                             "a phase takes from 0 to the run's time so far")

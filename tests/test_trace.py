@@ -2,8 +2,10 @@
 
 Fuzzed with hypothesis over the trace schema: a file is either refused with a TraceError (one message that
 says where the problem is) or loads into runs every panel can draw. Wrong types, unknown kinds, runs as
-the wrong container, non-numeric token keys and deep nesting are refused. A replay at recorded pace never
-waits long between events, ends within its bound whatever the timestamps say, and Stop ends it at once.
+the wrong container, non-numeric token keys and deep nesting are refused, and so are times no recorded run has
+(beyond a day, going back, a phase longer than the run). A replay at recorded pace plays each event when it came in
+the recorded run, however long that was, and Stop ends it at once; the busy-machine note of a replay is the recorded
+machine's.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import json
 import threading
 import time
+from dataclasses import replace
+from pathlib import Path
 from typing import get_args, get_origin, get_type_hints
 
 import pytest
@@ -18,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from app.panels import main_view
-from app.runner import REPLAY_MAX_GAP_S, replay
+from app.runner import replay
 from app.trace import FORMAT, TraceError, loads
 from specextend import events as ev
 from specextend.config import METHODS, preset
@@ -116,19 +120,92 @@ def run_of(times: list[float]) -> dict:
     return {"autoregressive": [started, *steps]}
 
 
-def test_a_replay_at_recorded_pace_never_waits_long_and_stops_at_once():
-    runs = run_of([1e9, 2e9, 3e9])  # timestamps of decades
+def test_a_replay_at_recorded_pace_plays_each_event_when_it_came():
+    runs = run_of([0.4, 0.8, 1.2])
+    began = time.perf_counter()
+    came = [(e, time.perf_counter() - began) for e in replay(runs, 1.0)([1, 2], preset("autoregressive"), None)]
+    assert [e for e, _ in came] == runs["autoregressive"]
+    for e, at in came:
+        assert e.t_s - 0.02 <= at <= e.t_s + 0.25, (e.t_s, at)
+
+
+def test_a_long_recorded_run_is_not_sped_up_and_stop_ends_its_wait_at_once():
+    runs = run_of([130.0, 131.0])  # longer than the two minutes a replay used to be squeezed into
     stop = threading.Event()
     events = replay(runs, 1.0)([1, 2], preset("autoregressive"), stop)
-    began = time.perf_counter()
     assert isinstance(next(events), ev.Started)
-    assert isinstance(next(events), ev.Verified)
-    assert time.perf_counter() - began <= REPLAY_MAX_GAP_S + 0.5
-    threading.Timer(0.2, stop.set).start()
+    came: list = []
+    waiting = threading.Thread(target=lambda: came.append(next(events)), daemon=True)
+    waiting.start()
+    waiting.join(3.0)
+    assert not came  # the recorded step came 130 s in: it is not played after a wait of two seconds
     began = time.perf_counter()
-    last = next(events)
-    assert isinstance(last, ev.Finished) and last.stop_reason == "stopped"
+    stop.set()
+    waiting.join(1.0)
+    assert came and isinstance(came[0], ev.Finished) and came[0].stop_reason == "stopped"
     assert time.perf_counter() - began < 1.0
+
+
+def studio_trace(times: list[float], elapsed: float = 0.0, **meta) -> str:
+    """A studio trace of one autoregressive run whose steps come at `times`, each phase `elapsed` long."""
+    started, *steps = run_of(times)["autoregressive"]
+    events = [started, *(replace(v, elapsed_s=elapsed) for v in steps)]
+    return json.dumps({"format": FORMAT, "runs": {"autoregressive": [ev.to_dict(e) for e in events]},
+                       "tokens": {}, "meta": meta})
+
+
+@pytest.mark.parametrize("text,message", [
+    (studio_trace([1.0, 1e12]), "its time is 1e\\+12 s, but a recorded run's clock reads from 0 to 86,400 s"),
+    (studio_trace([-0.5]), "its time is -0.5 s"),
+    (studio_trace([2.0, 1.0]), "event 2 \\(Verified\\): its time, 1.000 s, is earlier than the event before it \\(2.000 s\\)"),
+    (studio_trace([1.0, 2.0], elapsed=5.0), "elapsed_s is 5 s, but the run had taken 1.000 s by then"),
+    (studio_trace([1.0], elapsed=-1.0), "elapsed_s is -1 s"),
+    (studio_trace([1.0], machine_load="busy"), "'meta.machine_load' should be the recorded machine's load per core"),
+    (studio_trace([1.0], machine_load=-2), "'meta.machine_load'"),
+])
+def test_times_no_recorded_run_has_are_refused_with_the_reason(text, message):
+    with pytest.raises(TraceError, match=message):
+        loads(text)
+
+
+def test_a_recorded_runs_times_load():
+    runs, _, meta = loads(studio_trace([0.5, 0.5, 45_000.0], elapsed=0.5, machine_load=1.5))
+    assert [e.t_s for e in runs["autoregressive"][1:]] == [0.5, 0.5, 45_000.0] and meta["machine_load"] == 1.5
+
+
+def last_readout(studio, state, path) -> str:
+    *_, last = studio.replay(state, str(path), "instant")
+    return last[7]  # status, output, exactness, retrieval, far, acceptance, speed chart, the speed table
+
+
+def test_a_replay_says_the_recorded_machine_was_busy_not_the_replaying_one(tmp_path, monkeypatch):
+    import app.ui as ui
+    from app.settings import Settings
+    from fixtures.fake_engine import fake_factory
+
+    studio, state = ui.Studio(fake_factory(), Settings()), ui.SessionState()
+    monkeypatch.setattr(ui, "machine_load", lambda: 6.0)  # the machine replaying is busy
+    quiet, busy, unknown = tmp_path / "quiet.json", tmp_path / "busy.json", tmp_path / "unknown.json"
+    quiet.write_text(studio_trace([0.1, 0.2], machine_load=0.2))
+    busy.write_text(studio_trace([0.1, 0.2], machine_load=2.5))
+    unknown.write_text(studio_trace([0.1, 0.2]))
+    assert "tokens/s" in last_readout(studio, state, quiet) and "busy" not in last_readout(studio, state, quiet)
+    assert "The machine was busy while this ran (load 2.5 per core)" in last_readout(studio, state, busy)
+    assert "busy" not in last_readout(studio, state, unknown)
+
+
+def test_an_export_records_the_machines_load_and_a_replay_keeps_the_recorded_one(tmp_path, monkeypatch):
+    import app.ui as ui
+    from app.settings import Settings
+    from fixtures.fake_engine import fake_factory
+
+    studio = ui.Studio(fake_factory(), Settings())
+    monkeypatch.setattr(ui, "machine_load", lambda: 3.25)
+    runs, codec, _ = loads(studio_trace([0.1]))
+    live = json.loads(Path(studio._export(runs, codec.decode, {"primary": "autoregressive"})).read_text())
+    assert live["meta"]["machine_load"] == 3.25 and loads(json.dumps(live))[2]["machine_load"] == 3.25
+    replayed = json.loads(Path(studio._export(runs, codec.decode, {"machine_load": 0.5, "replayed": True})).read_text())
+    assert replayed["meta"]["machine_load"] == 0.5
 
 
 def test_instant_replay_plays_everything_at_once():
