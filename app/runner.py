@@ -7,6 +7,7 @@ Knows the engine's contract and events; knows nothing of gradio or figures.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,28 +41,53 @@ class Knobs:
     signal: str = "default"  # CMR's retrieval signal by name (config.SIGNAL_NAMES)
 
 
-def _whole(name: str, value: float | int | None) -> int:
-    if value is None or value != value or int(value) != value:
+def whole(name: str, value: float | int | None) -> int:
+    """A setting that must be a whole number, as an int; a ValueError that names it otherwise."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not number or int(value) != value:
         raise ValueError(f"{name} must be a whole number, got {value!r}")
     return int(value)
 
 
+# the engine's field names, as the knobs are labelled on the page (the engine's refusals name its fields)
+USER_WORDS = (("tree max_depth", "tree depth"), ("tree node_budget", "tree node budget"),
+              ("max_new_tokens", "max new tokens"), ("chunk_size", "chunk size"), ("top_k=", "top-k chunks kept = "), ("top_k", "top-k chunks kept"),
+              ("retrieve_every", "retrieve every (steps)"), ("sink_tokens=", "attention-sink tokens = "),
+              ("sink_tokens", "attention-sink tokens"),
+              (" or a RetrievalSignal", ""))
+
+
+def in_user_words(message: str) -> str:
+    """An engine refusal with its field names replaced by the knobs' labels."""
+    for name, words in USER_WORDS:
+        message = message.replace(name, words)
+    return message
+
+
 def build_config(method: str, knobs: Knobs, eos_ids: Sequence[int] = (), max_new_tokens_cap: int = 1024,
                  lookup: bool = False) -> GenerationConfig:
-    """The method's preset with the user's knobs; every nonsense setting is a ValueError with a readable message.
-    `lookup` adds lookup branches to a draft-model method when the knobs ask for them."""
-    new = _whole("max new tokens", knobs.max_new_tokens)
+    """The method's preset with the user's knobs; every nonsense setting is a ValueError with a readable message
+    in the page's words. `lookup` adds lookup branches to a draft-model method when the knobs ask for them."""
+    try:
+        return _config(method, knobs, eos_ids, max_new_tokens_cap, lookup)
+    except ValueError as exc:
+        raise ValueError(in_user_words(str(exc))) from exc
+
+
+def _config(method: str, knobs: Knobs, eos_ids: Sequence[int], max_new_tokens_cap: int, lookup: bool
+            ) -> GenerationConfig:
+    new = whole("max new tokens", knobs.max_new_tokens)
     if new > max_new_tokens_cap:
         raise ValueError(f"max new tokens is capped at {max_new_tokens_cap} on this server, got {new}")
     if knobs.temperature is None or knobs.temperature != knobs.temperature:
         raise ValueError("temperature must be a number (0 is greedy)")
-    draft = DraftConfig(shape=knobs.shape, k=_whole("chain length k", knobs.k),
-                        max_depth=_whole("tree depth", knobs.max_depth),
-                        node_budget=_whole("tree node budget", knobs.node_budget))
-    retrieval = RetrievalConfig(chunk_size=_whole("chunk size", knobs.chunk_size), top_k=_whole("top-k chunks", knobs.top_k),
-                                retrieve_every=_whole("retrieve every", knobs.retrieve_every), signal=knobs.signal)
+    draft = DraftConfig(shape=knobs.shape, k=whole("chain length k", knobs.k),
+                        max_depth=whole("tree depth", knobs.max_depth),
+                        node_budget=whole("tree node budget", knobs.node_budget))
+    retrieval = RetrievalConfig(chunk_size=whole("chunk size", knobs.chunk_size), top_k=whole("top-k chunks", knobs.top_k),
+                                retrieve_every=whole("retrieve every", knobs.retrieve_every), signal=knobs.signal)
     merged = lookup and bool(knobs.lookup) and method not in ("autoregressive", "lookup")
-    return preset(method, max_new_tokens=new, temperature=float(knobs.temperature), seed=_whole("seed", knobs.seed),
+    return preset(method, max_new_tokens=new, temperature=float(knobs.temperature), seed=whole("seed", knobs.seed),
                   eos_token_ids=tuple(eos_ids), draft=draft, retrieval=retrieval,
                   lookup=LookupConfig(enabled=True if merged else None))
 
@@ -79,6 +105,7 @@ class Job:
     prepare: Callable[[Callable[[str], None]], tuple]
     runs: dict[str, list[Event]] = field(default_factory=dict)
     status: str = "Starting"
+    notice: str = ""  # a word for the user that progress lines must not overwrite (Run pressed during the run)
     error: str = ""
     codec: Codec | None = None
     prompt: Prompt | None = None

@@ -31,7 +31,7 @@ from . import documents
 from .backend import EngineFactory, Loaded, PairCache, real_factory
 from .documents import DocumentError
 from .panels import machine_load, main_view, needle_view, status_html, step_view
-from .runner import Job, Knobs, RedrawMeter, build_config, replay
+from .runner import Job, Knobs, RedrawMeter, build_config, replay, whole
 from .settings import Settings
 from .trace import TraceError, dumps, loads
 
@@ -80,6 +80,10 @@ NEEDLE_RUNS = ("specextend", "specextend_paper", "streaming")  # the needle tab'
 RACE_CHOICES = [("standard speculative decoding", "speculative"), ("lookup drafting alone", "lookup"),
                 ("the target alone (also checks exactness)", "autoregressive")]
 DEFAULT_TASK = "Summarize the document in a few sentences."
+RUN_IS_GOING = "A run is going in this tab: Run starts nothing until it ends. Press Stop to end it sooner."
+STOPPING = "Stopping: the run ends after the current step (or prefill block)."
+STOP_WAIT_S = 5.0  # Stop waits this long for the run to end, so that its answer cannot land after the run's last word
+NOTHING_RAN = "<div class='se-muted'>Nothing was generated: the status above says why.</div>"
 KEEP_TRACES = 64  # exported trace files kept on disk (gradio's cache of them is swept hourly)
 Draw = Callable[[Job, dict, Callable, bool], list]  # (job, runs so far, decode, charts due) -> each panel's value
 
@@ -106,7 +110,8 @@ does find it; the calibration is what tells.
 
 
 class SessionState:
-    """One browser tab's state: its current job (so Stop and a new Run can reach it)."""
+    """One tab's runs in one browser tab: its current job (so Stop and a new Run can reach it). The Long-document
+    and the needle tab each hold their own, so one's run never shows in, or stops, the other's."""
 
     def __init__(self) -> None:
         self.job: Job | None = None
@@ -173,9 +178,14 @@ class Studio:
         self.generations: deque[Job] = deque(maxlen=64)  # recent generation jobs, for the waiting user's estimate
 
     # --- the queue -------------------------------------------------------------------------------
-    def queued(self) -> str:
-        """The status a click shows at once, before its turn: whether a slot is free, and if not, how many runs
+    def queued(self, state: SessionState | None = None) -> str:
+        """The status a click shows at once, before its turn: that this tab's run is still going (the click starts
+        nothing: the page ignores Run until the run ends), else whether a slot is free, and if not, how many runs
         hold the slots and when, by how long recent runs took, one should free up."""
+        job = state.job if state is not None else None
+        if job is not None and not job.done.is_set():
+            job.notice = RUN_IS_GOING  # kept in the status until the run ends: progress lines must not hide it
+            return status_html([job.status, job.notice])
         now = time.perf_counter()
         active = [j for j in self.generations if not j.done.is_set()]
         if len(active) < self.settings.concurrency:
@@ -243,15 +253,22 @@ class Studio:
                              "tokens. Shorten the document.")
 
     # --- runs ------------------------------------------------------------------------------------
-    def run(self, state: SessionState, document: str, task: str, pair_key: str, method: str, race: list[str],
-            chart_every: str | float, *knob_values: Any) -> Iterator[tuple]:
+    def run(self, state: SessionState, document: str, task: str = DEFAULT_TASK, pair: str | None = None,
+            method: str = "specextend", race: list[str] | None = None, chart_every: str | float = "0",
+            max_new_tokens: float = Knobs.max_new_tokens, chunk_size: float = Knobs.chunk_size,
+            top_k: float = Knobs.top_k, retrieve_every: float = Knobs.retrieve_every, shape: str = Knobs.shape,
+            k: float = Knobs.k, max_depth: float = Knobs.max_depth, node_budget: float = Knobs.node_budget,
+            temperature: float = Knobs.temperature, seed: float = Knobs.seed, lookup: bool = Knobs.lookup,
+            signal: str = Knobs.signal) -> Iterator[tuple]:
+        """The API's `/run`: its parameters are named as the page's controls are (the knobs in KNOB_NAMES' order)."""
         state.stop()
         try:
             text = documents.check_text(document, self.settings.max_document_chars)
             if not task or not task.strip():
                 raise ValueError("The task is empty: say what to do with the document (for example, summarize it).")
-            choice = self.settings.pair(pair_key)
-            knobs = Knobs(**dict(zip(KNOB_NAMES, knob_values)))
+            choice = self.settings.pair(pair) if pair else self.settings.default
+            knobs = Knobs(max_new_tokens, chunk_size, top_k, retrieve_every, shape, k, max_depth, node_budget,
+                          temperature, seed, lookup, signal)
             build_config(method, knobs, (), self.settings.max_new_tokens, lookup=True)  # refuse nonsense before loading
         except ValueError as exc:
             yield self._idle(str(exc))
@@ -273,17 +290,17 @@ class Studio:
         yield from self._stream(state.job, self._main_draw(method), {"pair": choice.label, "task": task, "primary": method},
                                 chart_every)
 
-    def replay(self, state: SessionState, path: str | None, pace: str, chart_every: str | float | None = None
-               ) -> Iterator[tuple]:
+    def replay(self, state: SessionState, trace: str | None, pace: str = "instant",
+               chart_every: str | float | None = None) -> Iterator[tuple]:
         state.stop()
         try:
-            if not path:
+            if not trace:
                 raise TraceError("Choose a trace file (.json) to replay.")
-            size = Path(path).stat().st_size
+            size = Path(trace).stat().st_size
             if size > self.settings.max_trace_bytes:
                 raise TraceError(f"it is {size / 1024:,.0f} KB; this server replays traces up to "
                                  f"{self.settings.max_trace_bytes / 1024:,.0f} KB")
-            runs, codec, meta = loads(Path(path).read_text(encoding="utf-8"))
+            runs, codec, meta = loads(Path(trace).read_text(encoding="utf-8"))
         except (TraceError, OSError, UnicodeDecodeError) as exc:
             yield self._idle(f"Cannot replay this file: {exc}")
             return
@@ -306,11 +323,14 @@ class Studio:
         yield from self._stream(state.job, self._main_draw(primary, lambda: recorded), {**meta, "replayed": True},
                                 chart_every)
 
-    def stop(self, state: SessionState) -> str:
-        if state.job is None or state.job.done.is_set():
+    def stop(self, state: SessionState) -> Any:
+        """Stop this tab's run. The run's own stream says when it has ended; this answers "Stopping" only while
+        it has not (waiting a little first), so the answer never lands after that last word and stays."""
+        job = state.job
+        if job is None or job.done.is_set():
             return status_html(["Nothing is running."])
         state.stop()
-        return status_html(["Stopping: the run ends after the current step (or prefill block)."])
+        return gr.skip() if job.done.wait(STOP_WAIT_S) else status_html([STOPPING])
 
     def _idle(self, error: str, outputs: int = 8) -> tuple:
         return (status_html([], error), *[gr.skip()] * outputs)
@@ -320,6 +340,8 @@ class Studio:
         def draw(job: Job, runs, decode, charts: bool) -> list:
             view = main_view(runs, primary, decode, charts, text=job.codec.text if job.codec else None,
                              load=load() if job.done.is_set() else None)
+            if job.done.is_set() and not runs:  # refused or stopped before any run began: nothing is coming
+                view = replace(view, output=NOTHING_RAN)
             return [view.output, view.exactness, view.retrieval, view.far, view.acceptance, view.throughput, view.readout]
 
         return draw
@@ -361,12 +383,20 @@ class Studio:
                 if finished and runs:  # after the run: not counted as drawing cost
                     download = gr.DownloadButton(value=self._export(runs, decode, export), visible=True)
                 values.append(download)
-            lines = [job.status] if not finished else [
-                "Done." if not job.error else "", *(f"{label(m)}: {ending(ev)}" for m, ev in runs.items())]
-            yield (status_html(lines, job.error, meter.line()), *values)
+            yield (status_html(self._status(job, runs, finished), job.error, meter.line()), *values)
             meter.resumed()
             if finished:
                 return
+
+    @staticmethod
+    def _status(job: Job, runs: dict, finished: bool) -> list[str]:
+        """The status lines: what the run is doing (or that it is stopping, once asked: progress must not hide
+        that) and any notice; at the end, how it ended and how each run ended."""
+        stopped = job.stop_event.is_set()
+        if not finished:
+            return [STOPPING if stopped else job.status, job.notice]
+        head = "" if job.error else "Stopped, as asked: the panels show the runs as far as they got." if stopped else "Done."
+        return [head, *(f"{label(m)}: {ending(ev)}" for m, ev in runs.items())]
 
     def _export(self, runs, decode, meta: dict[str, Any]) -> str:
         """Write the trace for download under a name no other export takes; only the most recent KEEP_TRACES files
@@ -393,11 +423,11 @@ class Studio:
         """After a run or a replay: the step control over its runs, on the main run at its last step."""
         job = self._finished(state)
         if job is None:
-            return gr.Group(visible=False), gr.skip(), gr.skip(), ""
+            return gr.Column(visible=False), gr.skip(), gr.skip(), ""
         runs = job.runs
         primary = job.methods[0] if job.methods and job.methods[0] in runs else next(iter(runs))
         last = last_step(runs[primary])
-        return (gr.Group(visible=True), gr.Radio(choices=[(label(m), m) for m in runs], value=primary),
+        return (gr.Column(visible=True), gr.Radio(choices=[(label(m), m) for m in runs], value=primary),
                 gr.Slider(minimum=0, maximum=max(last, 1), value=last), step_html(runs[primary], last, job.codec.text))
 
     def at_step(self, state: SessionState, method: str, step: float) -> tuple:
@@ -453,19 +483,26 @@ class Studio:
 
     # --- teaching mode ---------------------------------------------------------------------------
     def needle(self, state: SessionState, haystack: str, length: float, depth: float, seed: float, top_k: float,
-               max_new: float, pair_key: str) -> Iterator[tuple]:
+               max_new_tokens: float, pair: str | None = None) -> Iterator[tuple]:
+        """The API's `/needle`: plant a fact in a sample document and race CMR under two signals and StreamingLLM."""
         state.stop()
         try:
             from specextend.tools import needle
 
-            choice = self.settings.pair(pair_key)
-            text = documents.check_text(documents.sample_text(haystack)[: int(length)] if haystack else "",
+            choice = self.settings.pair(pair) if pair else self.settings.default
+            chars = whole("haystack length", length)
+            if not isinstance(depth, (int, float)) or not 0 <= depth <= 100:
+                raise ValueError(f"needle depth is a share of the document from 0 to 100 (%), got {depth!r}")
+            text = documents.check_text(documents.sample_text(haystack)[:chars] if haystack else "",
                                         self.settings.max_document_chars)
-            planted = needle.generate(text, float(depth) / 100.0, seed=int(seed or 0))
-            knobs = Knobs(max_new_tokens=max_new, top_k=top_k, retrieve_every=1, k=4)
+            planted = needle.generate(text, float(depth) / 100.0, seed=whole("seed", seed or 0))
+            knobs = Knobs(max_new_tokens=max_new_tokens, top_k=top_k, retrieve_every=1, k=4)
             build_config("specextend", knobs, (), self.settings.max_new_tokens)
-        except (ValueError, KeyError) as exc:
+        except ValueError as exc:
             yield self._idle(str(exc), 7)
+            return
+        except KeyError as exc:  # a haystack that is not a bundled sample
+            yield self._idle(f"{exc.args[0]}: pick a haystack from the list", 7)
             return
         task = f"{planted.question} Answer with the answer only."
         picture: dict[str, Any] = {}
@@ -518,7 +555,8 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
         log.info("Preloaded %s", settings.default.label)
     k = Knobs()
     with gr.Blocks(title="SpecExtend Studio", fill_width=True, delete_cache=(3600, 3600)) as demo:
-        state = gr.State(SessionState, delete_callback=SessionState.close)
+        state = gr.State(SessionState, delete_callback=SessionState.close)  # the Long-document tab's runs
+        n_state = gr.State(SessionState, delete_callback=SessionState.close)  # the needle tab's own
         gr.Markdown(INTRO)
         with gr.Tabs():
             with gr.Tab("Long document", id="main"):
@@ -532,12 +570,14 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
                                                      scale=1, size="sm", elem_id="upload")
                         document = gr.Textbox(label="Document", lines=6, max_lines=10, elem_id="document",
                                               placeholder="…or paste a long document here")
-                        doc_info = gr.HTML(studio.document_info("", settings.default.key), elem_id="doc-info")
+                        doc_info = gr.HTML(studio.document_info("", settings.default.key), elem_id="doc-info",
+                                           label="document readout")
                         task = gr.Textbox(label="Task", value=DEFAULT_TASK, lines=1, elem_id="task")
                         with gr.Row():
                             run_btn = gr.Button("Run", variant="primary", elem_id="run")
                             stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
-                        status = gr.HTML(status_html(["Ready: pick a sample document and press Run."]), elem_id="status")
+                        status = gr.HTML(status_html(["Ready: pick a sample document and press Run."]), elem_id="status",
+                                         label="status")
                         pair = gr.Dropdown(label="Model pair", choices=[(p.label, p.key) for p in settings.pairs],
                                            value=settings.default.key, elem_id="pair")
                         method = gr.Radio(label="Method", choices=METHOD_CHOICES, value="specextend", elem_id="method")
@@ -576,7 +616,8 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
                                 temperature = gr.Number(k.temperature, label="temperature (0 = greedy)")
                                 seed = gr.Number(k.seed, label="seed", precision=0)
                     with gr.Column(scale=2):
-                        with gr.Group(visible=False, elem_id="stepper") as stepper:
+                        # a Column, not a Group: gradio renders a Group's elem_id on two elements
+                        with gr.Column(visible=False, elem_id="stepper", variant="panel") as stepper:
                             gr.Markdown("#### Step through the run\nMove the step: every panel below shows the run as "
                                         "of that step. Or click a step in ③, or a retrieval's row in ②.")
                             with gr.Row(equal_height=True):
@@ -595,19 +636,19 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
                         timer = gr.Timer(1.0, active=False)
                         gr.Markdown("### ① Output\nText the run wrote; the highlighted stretches were guessed by the "
                                     "draft and accepted by the target.")
-                        output = gr.HTML(elem_id="output")
-                        exact = gr.HTML(elem_id="exactness")
+                        output = gr.HTML(elem_id="output", label="output")
+                        exact = gr.HTML(elem_id="exactness", label="exactness")
                         gr.Markdown("### ② Retrieval: which chunks the draft reads\nTop strip: the document in chunks, "
                                     "coloured by the target's attention; outlined chunks are in the draft's working "
                                     "cache. Below: the working cache after each retrieval; hover the ▸ marks at the "
                                     "left to read what the output had said by then, and a chunk to read it.")
-                        retrieval = gr.Plot(show_label=False, elem_id="retrieval-plot")
-                        far = gr.HTML(elem_id="far-chunks")
+                        retrieval = gr.Plot(show_label=False, elem_id="retrieval-plot", label="retrieval")
+                        far = gr.HTML(elem_id="far-chunks", label="reaching back")
                         gr.Markdown("### ③ Acceptance: which guesses the target keeps")
-                        acceptance = gr.Plot(show_label=False, elem_id="acceptance-plot")
+                        acceptance = gr.Plot(show_label=False, elem_id="acceptance-plot", label="acceptance")
                         gr.Markdown("### ④ Speed\nSame input, same token limit. Tokens/s counts only tokens up to the limit.")
-                        throughput = gr.Plot(show_label=False, elem_id="throughput-plot")
-                        readout = gr.HTML(elem_id="readout")
+                        throughput = gr.Plot(show_label=False, elem_id="throughput-plot", label="speed")
+                        readout = gr.HTML(elem_id="readout", label="speed table")
                         download = gr.DownloadButton("Download this run as a JSON trace", visible=False, size="sm",
                                                      elem_id="download")
                         with gr.Accordion("Replay a trace without loading any model", open=False):
@@ -633,16 +674,16 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
                 with gr.Row():
                     n_run = gr.Button("Run CMR (two signals) and StreamingLLM", variant="primary", elem_id="needle-run")
                     n_stop = gr.Button("Stop", variant="stop", elem_id="needle-stop")
-                n_status = gr.HTML(elem_id="needle-status")
-                n_info = gr.HTML(elem_id="needle-info")
-                n_grid = gr.Plot(show_label=False, elem_id="needle-plot")
-                n_answers = gr.HTML(elem_id="needle-answers")
-                n_heads = gr.Plot(show_label=False, elem_id="needle-heads")
+                n_status = gr.HTML(elem_id="needle-status", label="status")
+                n_info = gr.HTML(elem_id="needle-info", label="needle")
+                n_grid = gr.Plot(show_label=False, elem_id="needle-plot", label="needle held")
+                n_answers = gr.HTML(elem_id="needle-answers", label="answers")
+                n_heads = gr.Plot(show_label=False, elem_id="needle-heads", label="layers and heads")
                 gr.Markdown("Each run's working cache after every retrieval (the needle's chunks marked):")
                 with gr.Row():
-                    n_cmr = gr.Plot(show_label=False, elem_id="needle-cmr")
-                    n_paper = gr.Plot(show_label=False, elem_id="needle-paper")
-                    n_stream = gr.Plot(show_label=False, elem_id="needle-streaming")
+                    n_cmr = gr.Plot(show_label=False, elem_id="needle-cmr", label="CMR default signal")
+                    n_paper = gr.Plot(show_label=False, elem_id="needle-paper", label="CMR paper signal")
+                    n_stream = gr.Plot(show_label=False, elem_id="needle-streaming", label="StreamingLLM")
 
         widgets = {"max_new_tokens": max_new, "chunk_size": chunk, "top_k": top_k, "retrieve_every": every, "shape": shape,
                    "k": chain_k, "max_depth": depth, "node_budget": budget, "temperature": temperature, "seed": seed,
@@ -655,14 +696,14 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
         for source in (document, pair):
             source.change(studio.document_info, [document, pair], doc_info, queue=False, trigger_mode="always_last",
                           show_progress="hidden", api_visibility="private")
-        for button in (run_btn, n_run):  # at once, outside the queue: whether the click waits, and for how long
-            button.click(studio.queued, None, status if button is run_btn else n_status, queue=False,
-                         api_visibility="private", show_progress="hidden")
+        for button, own, said in ((run_btn, state, status), (n_run, n_state, n_status)):
+            # at once, outside the queue: that this tab's run still goes, or whether the click waits and how long
+            button.click(studio.queued, own, said, queue=False, api_visibility="private", show_progress="hidden")
         stepper_after = dict(fn=studio.stepper, inputs=state, outputs=[stepper, step_run, step, step_info], queue=False,
                              api_visibility="private", show_progress="hidden")
         # the step control: hidden while a run or a replay goes (the first link of its chain, so it cannot land after
         # the control is shown again), shown once it has finished
-        hide_stepper = dict(fn=lambda: (gr.Group(visible=False), gr.Timer(active=False), "▶ play", False), inputs=None,
+        hide_stepper = dict(fn=lambda: (gr.Column(visible=False), gr.Timer(active=False), "▶ play", False), inputs=None,
                             outputs=[stepper, timer, play_btn, playing], queue=False, api_visibility="private",
                             show_progress="hidden")
         run_btn.click(**hide_stepper).then(
@@ -672,17 +713,18 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
                api_visibility="private",  # the exact token count, now that the model is loaded
                ).then(**stepper_after)
         stop_btn.click(studio.stop, state, status, api_name="stop", queue=False)
-        n_run.click(studio.needle, [state, n_hay, n_length, n_depth, n_seed, n_topk, n_new, pair],
+        n_run.click(studio.needle, [n_state, n_hay, n_length, n_depth, n_seed, n_topk, n_new, pair],
                     [n_status, n_info, n_grid, n_answers, n_heads, n_cmr, n_paper, n_stream], api_name="needle",
                     concurrency_limit=settings.concurrency, concurrency_id="generate", show_progress="minimal")
-        n_stop.click(studio.stop, state, n_status, api_name="needle_stop", queue=False)
+        n_stop.click(studio.stop, n_state, n_status, api_name="needle_stop", queue=False)
         replay_btn.click(**hide_stepper).then(
             studio.replay, [state, trace_file, pace, charts], outputs, api_name="replay", concurrency_limit=4,
             concurrency_id="replay", show_progress="minimal").then(**stepper_after)
 
         panels = [output, exact, retrieval, far, acceptance, throughput, step_info]  # STEP_PANELS, in at_step's order
         page = dict(api_visibility="private", show_progress="hidden")
-        step.release(studio.at_step, [state, step_run, step], panels, **page)
+        # typed into its box, moved by keys or dragged: the panels follow the last value it took
+        step.input(studio.at_step, [state, step_run, step], panels, trigger_mode="always_last", **page)
         prev_btn.click(studio.step_by(-1), [state, step_run, step], [step, *panels], **page)
         next_btn.click(studio.step_by(1), [state, step_run, step], [step, *panels], **page)
         step_run.input(studio.pick_run, [state, step_run], [step, *panels], **page)
