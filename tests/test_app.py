@@ -610,3 +610,18 @@ def test_the_step_control_follows_keys_and_typing_and_ids_are_unique():
     assert len(ids) == len(set(ids))
     stepper = next(c for c in config["components"] if c.get("props", {}).get("elem_id") == "stepper")
     assert stepper["type"] == "column"
+
+
+def test_the_from_python_example_in_the_docs_runs_as_written(server, monkeypatch, capsys):
+    """docs/APP.md's gradio_client example, run as it is written there (only the address is this test server's)."""
+    text = (ROOT / "docs" / "APP.md").read_text(encoding="utf-8")
+    section = text.split("## From Python", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert 'Client("http://127.0.0.1:7860/")' in code
+    monkeypatch.chdir(ROOT)
+    scope: dict = {}
+    exec(compile(code.replace("http://127.0.0.1:7860/", server), "docs/APP.md", "exec"), scope)
+    assert "Done." in capsys.readouterr().out
+    assert "✔ Exact" in scope["exactness"] and len(scope["charts"]) == 4
+    runs, _, _ = loads(Path(file_path(scope["trace"])).read_text())
+    assert list(runs) == ["specextend", "autoregressive"]
