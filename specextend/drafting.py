@@ -52,6 +52,8 @@ class DraftTree:
     forwards: int
     sources: tuple[str, ...] = ()  # per node, one of events.SOURCES; empty means all "draft"
     origins: tuple[int, ...] = ()  # per node, the sequence position a lookup copied it from (-1: none)
+    sat_out: str = ""  # beside lookup: why the draft proposed nothing (one of events.SAT_OUT)
+    recent: tuple[int, ...] = ()  # beside lookup: the draft's accepted tokens in each of its last uses
 
     def __post_init__(self) -> None:
         if not self.sources:

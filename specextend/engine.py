@@ -128,7 +128,7 @@ def generate(
                 sync()
                 yield Drafted(t_s=clock(), elapsed_s=clock() - phase, step=step, position=position, tokens=tree.tokens,
                               parents=tree.parents, draft_probs=tree.probs, draft_forwards=tree.forwards,
-                              sources=tree.sources, origins=tree.origins)
+                              sources=tree.sources, origins=tree.origins, sat_out=tree.sat_out, recent=tree.recent)
             phase = clock()  # b) the target verifies the whole tree in one forward
             logits = target.verify(out[-1], tree)
             if config.greedy:

@@ -16,6 +16,10 @@ from typing import Any, Iterable, Union, get_args, get_origin, get_type_hints
 
 
 SOURCES = ("draft", "lookup", "both")  # who proposed a draft node: the draft model, a lookup, or both
+# why the draft (a draft model or an EAGLE head) proposed nothing in a step where lookup drafted: "" it proposed (or
+# the run has no draft), "gate" (its recent uses got fewer accepted tokens than lookup.draft_gate), "on_miss" (lookup
+# found a continuation and lookup.with_draft is "on_miss")
+SAT_OUT = ("", "gate", "on_miss")
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,8 @@ class Prefilled:
 @dataclass(frozen=True)
 class Drafted:
     """The draft proposed a tree (a chain is a tree where each node's parent is the one before). Lookup branches
-    are part of the same tree; `sources` says who proposed each node, `origins` where a lookup copied it from."""
+    are part of the same tree; `sources` says who proposed each node, `origins` where a lookup copied it from.
+    Beside lookup, `sat_out` says why the draft proposed nothing and `recent` what its last uses got accepted."""
 
     t_s: float
     elapsed_s: float
@@ -78,6 +83,8 @@ class Drafted:
     draft_forwards: int  # draft model forward passes this step
     sources: tuple[str, ...] = ()  # per node: "draft" (the draft model), "lookup" or "both"; empty: all "draft"
     origins: tuple[int, ...] = ()  # per node: the sequence position a lookup copied it from, -1 if none
+    sat_out: str = ""  # one of SAT_OUT: why the draft proposed nothing this step
+    recent: tuple[int, ...] = ()  # the draft's accepted tokens in each of its last uses (what the gate averages)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ Knows token ids, positions and trees; knows nothing of models, caches or the tar
 from __future__ import annotations
 
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -222,6 +222,7 @@ class MergedDrafter:
     (`"on_miss"`), and in either case only while it pays: once its last GATE_USES proposals averaged fewer
     than `draft_gate` accepted tokens, it sits out until GATE_RETRY steps have passed, then is tried again.
     Its working cache still follows every committed token (they wait as pending tokens) and every retrieval.
+    Each tree says why the draft model sat out (`sat_out`) and what its last uses got accepted (`recent`).
     """
 
     drafts = True
@@ -245,24 +246,25 @@ class MergedDrafter:
         self.lookup.prefill(prompt, stop)
         return self.model.prefill(prompt, stop)
 
-    def ask_model(self, found: bool) -> bool:
-        """Whether the draft model drafts this step."""
+    def sits_out(self, found: bool) -> str:
+        """Why the draft model does not draft this step (one of events.SAT_OUT; "" when it drafts)."""
         if found and self.config.with_draft == "on_miss":
-            return False
+            return "on_miss"
         paying = len(self.gains) < GATE_USES or sum(self.gains) / GATE_USES >= self.config.draft_gate
         if paying or self.idle >= GATE_RETRY:
             self.idle = 0
-            return True
+            return ""
         self.idle += 1
-        return False
+        return "gate"
 
     def propose(self, room: int, generator: torch.Generator | None) -> DraftTree:
         found = self.lookup.find(room)
-        asked = self.ask_model(bool(found))
-        tree = graft(self.model.propose(room, generator) if asked else DraftTree.empty(),
+        recent = tuple(self.gains)
+        sat_out = self.sits_out(bool(found))
+        tree = graft(DraftTree.empty() if sat_out else self.model.propose(room, generator),
                      [(c.tokens, c.start) for c in found])
-        self._tree = tree if asked else None
-        return tree
+        self._tree = None if sat_out else tree
+        return replace(tree, sat_out=sat_out, recent=recent)
 
     def commit(self, tokens: list[int]) -> None:
         if self._tree is not None:  # how many committed tokens the draft model proposed (alone or with a lookup)

@@ -6,9 +6,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
-from .events import SOURCES, Drafted, Event, Finished, Prefilled, Retrieved, Started, Verified
+from .events import SAT_OUT, SOURCES, Drafted, Event, Finished, Prefilled, Retrieved, Started, Verified
 
 PHASES = ("target_prefill", "draft_prefill", "drafting", "verification", "retrieval")
+PROPOSERS = {"draft": ("draft", "both"), "lookup": ("lookup", "both")}  # the node sources each proposer's nodes have
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class Summary:
     e2e_tokens_per_s: float
     mean_accepted: float  # mean tokens committed per step (num_accepted + 1)
     acceptance_by_position: tuple[float, ...]  # P(draft node at depth d accepted | drafted at depth d)
+    acceptance_by_source: dict[str, tuple[float, ...]]  # the same per proposer (see acceptance_by_source)
     phase_seconds: dict[str, float]
     cmr_overhead_share: float  # retrieval time / decode time
     retrievals: int  # working-cache rebuilds (CMR or streaming), the one after prefill included
@@ -33,6 +35,7 @@ class Summary:
         """What a run reports (the CLI's JSON line, the benchmark's rows), as plain JSON values."""
         return {"decode_tokens_per_s": self.decode_tokens_per_s, "e2e_tokens_per_s": self.e2e_tokens_per_s,
                 "mean_accepted": self.mean_accepted, "acceptance_by_position": list(self.acceptance_by_position),
+                "acceptance_by_source": {k: list(v) for k, v in self.acceptance_by_source.items()},
                 "phase_seconds": dict(self.phase_seconds), "cmr_overhead_share": self.cmr_overhead_share,
                 "steps": self.steps, "retrievals": self.retrievals, "stop_reason": self.stop_reason,
                 "tokens_by_source": dict(self.tokens_by_source)}
@@ -66,6 +69,43 @@ def acceptance_by_position(events: Sequence[Event]) -> tuple[float, ...]:
     return tuple(accepted[d] / drafted[d] for d in range(1, max(drafted, default=0) + 1))
 
 
+def node_sources(tree: Drafted) -> tuple[str, ...]:
+    """Who proposed each node of a step's tree (one of SOURCES); a trace without sources: the draft, every node."""
+    return tree.sources or ("draft",) * len(tree.tokens)
+
+
+def source_of(tree: Drafted | None, node: int) -> str:
+    """Who proposed an accepted node (one of SOURCES): its tree's source, or the draft where the trace says none."""
+    return tree.sources[node] if tree is not None and node < len(tree.sources) else "draft"
+
+
+def drafted_by(tree: Drafted | None, proposer: str) -> bool:
+    """Whether `proposer` ("draft" or "lookup") proposed any node of the step's tree."""
+    return tree is not None and any(s in PROPOSERS[proposer] for s in node_sources(tree))
+
+
+def acceptance_by_source(events: Sequence[Event]) -> dict[str, tuple[float, ...]]:
+    """`acceptance_by_position` per proposer: for "draft" (the draft model or head) and "lookup", at each depth d,
+    steps whose accepted node at depth d was that proposer's / steps where it proposed a node at depth d. A node
+    both proposed counts for each. Only proposers that proposed a node are listed."""
+    out = {}
+    trees = {e.step: e for e in _of(events, Drafted)}
+    for proposer, mine in PROPOSERS.items():
+        drafted: dict[int, int] = defaultdict(int)
+        accepted: dict[int, int] = defaultdict(int)
+        for v in _of(events, Verified):
+            tree = trees.get(v.step)
+            if tree is None:
+                continue
+            for d in {d for d, s in zip(node_depths(tree.parents), node_sources(tree)) if s in mine}:
+                drafted[d] += 1
+            for d, node in enumerate(v.accepted_nodes, start=1):
+                accepted[d] += source_of(tree, node) in mine
+        if drafted:
+            out[proposer] = tuple(accepted[d] / drafted[d] if drafted[d] else 0.0 for d in range(1, max(drafted) + 1))
+    return out
+
+
 def accepted_steps(events: Sequence[Event]) -> Iterator[tuple[Verified, Drafted | None, tuple[int, ...]]]:
     """Per step: its Verified, its Drafted (None when it drafted nothing), and the accepted nodes that count
     (a step cut at the token limit or EOS keeps only a prefix of its accepted path)."""
@@ -81,8 +121,30 @@ def tokens_by_source(events: Sequence[Event]) -> dict[str, int]:
     out["target"] = len(_of(events, Prefilled))
     for v, tree, accepted in accepted_steps(events):
         for node in accepted:
-            out[tree.sources[node] if tree.sources else "draft"] += 1
+            out[source_of(tree, node)] += 1
         out["target"] += len(v.committed) - len(accepted)
+    return out
+
+
+def step_tokens_by_source(events: Sequence[Event]) -> dict[str, float]:
+    """Tokens per step by who proposed them: each step's accepted draft nodes by source ("draft", "lookup", "both")
+    and its bonus token ("target"), averaged over the steps; they add up to Summary.mean_accepted."""
+    counts = dict.fromkeys((*SOURCES, "target"), 0)
+    trees = {e.step: e for e in _of(events, Drafted)}
+    verified = _of(events, Verified)
+    for v in verified:
+        for node in v.accepted_nodes:
+            counts[source_of(trees.get(v.step), node)] += 1
+        counts["target"] += 1
+    return {k: n / len(verified) if verified else 0.0 for k, n in counts.items()}
+
+
+def sat_out(events: Sequence[Event]) -> dict[str, int]:
+    """Steps in which the draft proposed nothing beside lookup, by reason (events.SAT_OUT: "gate", "on_miss")."""
+    out = dict.fromkeys(SAT_OUT[1:], 0)
+    for d in _of(events, Drafted):
+        if d.sat_out in out:
+            out[d.sat_out] += 1
     return out
 
 
@@ -90,22 +152,40 @@ def copies(events: Sequence[Event]) -> list[tuple[int, tuple[int, ...]]]:
     """(step, sequence positions copied from) for every step that committed tokens a lookup proposed."""
     out = []
     for v, tree, accepted in accepted_steps(events):
-        origins = tuple(tree.origins[n] for n in accepted if tree.sources and tree.sources[n] != "draft")
+        origins = tuple(tree.origins[n] for n in accepted if source_of(tree, n) != "draft" and n < len(tree.origins))
         if origins:
             out.append((v.step, origins))
     return out
 
 
-def retrieval_yield(events: Sequence[Event]) -> list[tuple[int, float | None]]:
-    """Per retrieval, its step and what it bought: the mean number of draft tokens the target accepted per step over
-    the steps its working cache served (until the next retrieval); None while no such step has run."""
+@dataclass(frozen=True)
+class Yield:
+    """What one retrieval's working cache bought over the steps it served (until the next retrieval): the draft's
+    own accepted tokens (nodes it proposed, alone or with a lookup; a lookup's copies alone never count), the steps
+    in which the draft proposed, and the steps served."""
+
+    step: int
+    accepted: int
+    drafted: int
+    served: int
+
+    @property
+    def per_step(self) -> float | None:
+        """The draft's accepted tokens per step it proposed in; None while it proposed in none."""
+        return self.accepted / self.drafted if self.drafted else None
+
+
+def retrieval_yield(events: Sequence[Event]) -> list[Yield]:
+    """Per retrieval, what its working cache bought for the draft (see Yield)."""
     retrieved = [r.step for r in _of(events, Retrieved)]
-    accepted = [(v.step, v.num_accepted) for v in _of(events, Verified)]
+    steps = list(accepted_steps(events))
     out = []
     for i, step in enumerate(retrieved):
         until = retrieved[i + 1] if i + 1 < len(retrieved) else float("inf")
-        served = [n for s, n in accepted if step < s <= until]
-        out.append((step, sum(served) / len(served) if served else None))
+        served = [(v, tree) for v, tree, _ in steps if step < v.step <= until]
+        drafted = [(v, tree) for v, tree in served if drafted_by(tree, "draft")]
+        accepted = sum(source_of(tree, n) in PROPOSERS["draft"] for v, tree in drafted for n in v.accepted_nodes)
+        out.append(Yield(step, accepted, len(drafted), len(served)))
     return out
 
 
@@ -162,6 +242,7 @@ def summarize(events: Sequence[Event]) -> Summary:
         e2e_tokens_per_s=generated / last_t if last_t > 0 else 0.0,
         mean_accepted=sum(v.num_accepted + 1 for v in verified) / len(verified) if verified else 0.0,
         acceptance_by_position=acceptance_by_position(events),
+        acceptance_by_source=acceptance_by_source(events),
         phase_seconds=phases,
         cmr_overhead_share=phases["retrieval"] / decode_s if decode_s > 0 else 0.0,
         retrievals=len(_of(events, Retrieved)),

@@ -142,6 +142,14 @@ def test_started_with_engine_config_round_trips():
     assert ev.loads(ev.dumps([started])) == [started]
 
 
+def test_a_drafted_event_says_why_the_draft_sat_out_and_older_traces_still_load():
+    gated = Drafted(1.2, 0.0, 3, 10, (7,), (-1,), (1.0,), 0, ("lookup",), (4,), "gate", (0, 1, 0, 0))
+    assert ev.loads(ev.dumps([gated])) == [gated]
+    older = ev.to_dict(gated)
+    del older["sat_out"], older["recent"]  # a trace saved before the draft's reasons were recorded
+    assert ev.from_dict(older) == dataclasses.replace(gated, sat_out="", recent=())
+
+
 def test_from_dict_rejects_unknown_types_and_ignores_unknown_fields():
     with pytest.raises(ValueError, match="'Exploded' is not a kind of event"):
         ev.from_dict({"type": "Exploded", "t_s": 0.0})

@@ -22,7 +22,7 @@ from specextend.engine import generate
 from specextend.lookup import (
     GATE_RETRY, GATE_USES, Continuation, LookupDrafter, NgramIndex, continuations, replay,
 )
-from specextend.metrics import summarize, tokens_by_source
+from specextend.metrics import sat_out, summarize, tokens_by_source
 
 N_NEW = 40
 
@@ -229,6 +229,27 @@ def test_a_draft_model_that_does_not_pay_sits_out_and_is_retried(bigram_pair):
             gains.append(sum(d.sources[n] != "lookup" for n in verified[d.step].accepted_nodes))
     assert asked[1.0] == want
     assert want[:GATE_USES] == [True] * GATE_USES and want.count(False) > len(want) // 2  # the random draft sits out
+
+
+@pytest.mark.parametrize("with_draft,reason", [("always", "gate"), ("on_miss", "on_miss")])
+def test_each_step_says_why_the_draft_model_sat_out_and_what_its_last_uses_got(bigram_pair, with_draft, reason):
+    prompt = prompt_of(120, seed=8)
+    lookup = LookupConfig(enabled=True, with_draft=with_draft, draft_gate=1.0)
+    trace = list(generate(bigram_pair, prompt, preset("speculative", max_new_tokens=60, lookup=lookup)))
+    verified = {e.step: e for e in trace if isinstance(e, ev.Verified)}
+    gains = []  # the draft model's accepted tokens per use, as the gate counts them
+    for d in (e for e in trace if isinstance(e, ev.Drafted)):
+        assert d.recent == tuple(gains[-GATE_USES:])
+        if d.draft_forwards > 0:  # asked
+            assert d.sat_out == ""
+            gains.append(sum(d.sources[n] != "lookup" for n in verified[d.step].accepted_nodes))
+        elif with_draft == "on_miss" and d.tokens:  # lookup found a continuation, so the model was not asked
+            assert d.sat_out == "on_miss" and set(d.sources) == {"lookup"}
+        else:
+            assert d.sat_out == "gate" and len(d.recent) == GATE_USES and sum(d.recent) / GATE_USES < 1.0
+    assert sat_out(trace)[reason] > 0
+    again = ev.loads(ev.dumps(trace))  # the reasons travel with a saved trace
+    assert [e.sat_out for e in again if isinstance(e, ev.Drafted)] == [e.sat_out for e in trace if isinstance(e, ev.Drafted)]
 
 
 def test_adaptive_branch_length_follows_what_was_copied():

@@ -2,8 +2,9 @@
 
 Top: one column per step; from the bottom up, the accepted draft tokens (green for the draft model's,
 violet for a lookup's copies), the bonus token the target added (gold), and the drafted tokens it did
-not keep (red). Below: acceptance rate by draft
-position, tokens committed per step, and the latest step's draft tree with its accepted path.
+not keep (red). The headline splits the tokens per step by who proposed them and says when and why the draft sat
+out. Below: acceptance rate by draft position for each proposer (the draft, lookup), tokens committed per step,
+and the latest step's draft tree with its accepted path.
 Knows events; no gradio, no models.
 """
 
@@ -14,10 +15,11 @@ from functools import lru_cache
 from typing import Sequence
 
 from specextend.events import Drafted, Event, Verified
-from specextend.metrics import acceptance_by_position, node_depths
+from specextend.metrics import acceptance_by_source, node_depths, step_tokens_by_source
 
 from .common import (
-    STATUS_COLORS, Decode, Spec, accepted_kind, base_layout, draft_name, hover_text, message_spec, method_of, of, title,
+    STATUS_COLORS, Decode, Spec, accepted_kind, base_layout, draft_name, has_draft, hover_text, message_spec, method_of,
+    of, sat_out_note, title,
 )
 
 HOVER_STEPS = 200  # hover text is kept for the most recent steps only, so a redraw stays small
@@ -130,6 +132,18 @@ def _tree_traces(drafted: Drafted, verified: Verified, decode: Decode, axes: dic
     ]
 
 
+def per_step_words(events: Sequence[Event], name: str) -> str:
+    """Tokens committed per step, split by who proposed them (the draft, lookup, both, the target's bonus token)."""
+    split = step_tokens_by_source(events)
+    parts = [f"{split['draft']:.2f} the {name}'s"] if has_draft(events) else []
+    if split["lookup"] or split["both"] or not has_draft(events):
+        parts.append(f"{split['lookup']:.2f} lookup's")
+    if split["both"]:
+        parts.append(f"{split['both']:.2f} proposed by both")
+    parts.append(f"{split['target']:.2f} the target's")
+    return f"{sum(split.values()):.2f} tokens committed per step: {' + '.join(parts)}"
+
+
 def acceptance_spec(events: Sequence[Event], decode: Decode) -> Spec:
     """The acceptance panel for one run, as a Plotly figure dict."""
     verified = of(events, Verified)
@@ -153,12 +167,15 @@ def acceptance_spec(events: Sequence[Event], decode: Decode) -> Spec:
         "showscale": False, "xgap": 1 if len(steps) <= 150 else 0, "ygap": 1,
     }
 
-    rates = acceptance_by_position(events)
-    rate_bars = {
-        "type": "bar", "x": list(range(1, len(rates) + 1)), "y": list(rates), "xaxis": "x2", "yaxis": "y2",
-        "marker": {"color": STATUS_COLORS["accepted"]},
-        "hovertemplate": "draft position %{x}: accepted in %{y:.0%} of steps<extra></extra>",
-    }
+    rate_bars = []
+    for proposer, rates in acceptance_by_source(events).items():
+        who = f"the {name}" if proposer == "draft" else "lookup"
+        rate_bars.append({
+            "type": "bar", "name": who, "x": list(range(1, len(rates) + 1)), "y": list(rates), "xaxis": "x2",
+            "yaxis": "y2", "marker": {"color": STATUS_COLORS["accepted" if proposer == "draft" else "copied"]},
+            "hovertemplate": f"{who}, draft position %{{x}}: accepted in %{{y:.0%}} of the steps it proposed one "
+                             "there<extra></extra>",
+        })
     committed = [v.num_accepted + 1 for v in verified]
     window = 8
     mean = [sum(committed[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(committed))]
@@ -170,20 +187,23 @@ def acceptance_spec(events: Sequence[Event], decode: Decode) -> Spec:
         "type": "scatter", "mode": "lines", "x": steps, "y": mean, "xaxis": "x3", "yaxis": "y3",
         "line": {"color": "#1d3557", "width": 2}, "hovertemplate": "mean of last 8 steps: %{y:.2f}<extra></extra>",
     }
-    data = [cells, rate_bars, length_bars, length_mean]
+    data = [cells, *rate_bars, length_bars, length_mean]
     last = next((v for v in reversed(verified) if v.step in trees and trees[v.step].tokens), verified[-1])
     if last.step in trees:  # the latest step that drafted anything (the last step may have had no room)
         data += _tree_traces(trees[last.step], last, decode, {"xaxis": "x4", "yaxis": "y4"}, name)
 
-    mean_committed = sum(committed) / len(committed)
-    headline = (f"{len(verified)} steps, one column each · {mean_committed:.2f} tokens committed per step<br>"
+    headline = (f"{len(verified)} steps, one column each · {per_step_words(events, name)}<br>"
                 f"<span style='font-size:12px'>green: the {name}'s tokens the target accepted · violet: "
                 "tokens a lookup copied, accepted · gold: the target's bonus token · red: drafted, not kept</span>")
+    note = sat_out_note(events)
+    lines = hover_text(note[:1].upper() + note[1:], width=150, limit=400) if note else ""
+    if lines:
+        headline += f"<br><span style='font-size:12px'>{lines}</span>"
     sub = {"xref": "paper", "yref": "paper", "y": 0.41, "yanchor": "bottom", "showarrow": False,
            "xanchor": "left", "font": {"size": 12}}
     layout = base_layout(
         480,
-        margin={"l": 56, "r": 16, "t": 56, "b": 40},
+        margin={"l": 56, "r": 16, "t": 56 + 16 * (lines.count("<br>") + 1 if lines else 0), "b": 40},
         title=title(headline),
         xaxis={"domain": [0, 1], "anchor": "y", "showgrid": False, "zeroline": False},
         yaxis={"domain": [0.56, 1.0], "title": {"text": "token in step"}, "dtick": 1, "showgrid": False},
@@ -194,7 +214,8 @@ def acceptance_spec(events: Sequence[Event], decode: Decode) -> Spec:
         xaxis4={"domain": [0.72, 1.0], "anchor": "y4", "visible": False},
         yaxis4={"domain": [0, 0.38], "anchor": "x4", "visible": False, "autorange": "reversed"},
         annotations=[
-            {**sub, "x": 0.0, "text": "acceptance rate by draft position"},
+            {**sub, "x": 0.0, "text": "acceptance rate by draft position"
+             + (f" (green: the {name}, violet: lookup)" if len(rate_bars) > 1 else "")},
             {**sub, "x": 0.36, "text": "tokens committed per step"},
             {**sub, "x": 0.72, "text": f"step {last.step}: draft tree and accepted path"},
         ],

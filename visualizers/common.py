@@ -16,6 +16,7 @@ import plotly.graph_objects as go
 
 from specextend.events import Drafted, Event, Finished, Prefilled, Started, Verified
 from specextend.methods import METHOD_TABLE
+from specextend.metrics import sat_out, source_of
 
 Decode = Callable[[Sequence[int]], str]  # token ids -> text
 Spec = dict[str, Any]
@@ -50,6 +51,12 @@ def draft_name(events: Sequence[Event]) -> str:
     return (started[0].draft_name if started else "") or "draft model"
 
 
+def has_draft(events: Sequence[Event]) -> bool:
+    """Whether a draft (a draft model or an EAGLE head) proposed in the run (not the target alone, not lookup alone)."""
+    started = of(events, Started)
+    return bool(started) and started[0].draft_layers > 0
+
+
 def prompt_ids(events: Sequence[Event]) -> tuple[int, ...]:
     started = of(events, Started)
     return started[0].prompt_ids if started else ()
@@ -62,7 +69,34 @@ def stop_reason(events: Sequence[Event]) -> str:
 
 def accepted_kind(drafted: Drafted | None, node: int) -> str:
     """'copied' for an accepted node a lookup proposed (alone or with the draft model), else 'accepted'."""
-    return "copied" if drafted is not None and drafted.sources and drafted.sources[node] != "draft" else "accepted"
+    return "copied" if source_of(drafted, node) != "draft" else "accepted"
+
+
+def gate_reason(events: Sequence[Event], drafted: Drafted) -> str:
+    """Why the gate kept the draft out at this step: its recent accepted tokens per use against the threshold."""
+    started = of(events, Started)
+    lookup = (started[0].config.get("lookup") if started else None) or {}
+    gate = lookup.get("draft_gate") if isinstance(lookup, dict) else None
+    recent = drafted.recent
+    got = (f"its last {len(recent)} uses got {', '.join(map(str, recent))} token(s) accepted, "
+           f"{sum(recent) / len(recent):.2f} per use" if recent else "its recent uses got too few tokens accepted")
+    return f"{got}, below the gate of {gate:g}" if isinstance(gate, (int, float)) else got
+
+
+def sat_out_note(events: Sequence[Event]) -> str:
+    """In words, the steps in which the draft proposed nothing beside lookup, and why ("" when there were none)."""
+    counts = sat_out(events)
+    steps = len(of(events, Verified))
+    name = draft_name(events)
+    parts = []
+    if counts["gate"]:
+        latest = [d for d in of(events, Drafted) if d.sat_out == "gate"][-1]
+        parts.append(f"the {name} sat out {counts['gate']} of {steps} steps, gated off for not paying (at step "
+                     f"{latest.step}: {gate_reason(events, latest)})")
+    if counts["on_miss"]:
+        parts.append(f"{'it' if parts else f'the {name}'} was not asked in {counts['on_miss']} steps where lookup "
+                     "found a continuation")
+    return "; ".join(parts)
 
 
 def segments(events: Sequence[Event]) -> list[tuple[str, tuple[int, ...], int]]:
@@ -114,11 +148,18 @@ def short_label(method: str) -> str:
     return RUN_STYLES[method][2] if method in RUN_STYLES else method
 
 
+def lookup_on(events: Sequence[Event]) -> bool:
+    """Whether lookup drafted in the run: lookup alone, or lookup branches added to a draft-model method."""
+    started = of(events, Started)
+    if not started:
+        return False
+    lookup = started[0].config.get("lookup")
+    return started[0].method == "lookup" or bool(isinstance(lookup, dict) and lookup.get("enabled"))
+
+
 def with_lookup(events: Sequence[Event], name: str) -> str:
     """A run's name, marked when lookup branches were added to a draft-model method."""
-    started = of(events, Started)
-    added = started and started[0].method != "lookup" and (started[0].config.get("lookup") or {}).get("enabled")
-    return f"{name} + lookup" if added else name
+    return f"{name} + lookup" if lookup_on(events) and method_of(events) != "lookup" else name
 
 
 STOP_REASONS = {"max_new_tokens": "reached the token limit", "eos": "finished its answer", "stopped": "stopped",

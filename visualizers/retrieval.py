@@ -20,9 +20,12 @@ from functools import lru_cache
 from typing import Sequence
 
 from specextend.events import Event, Prefilled, Retrieved, Verified
-from specextend.metrics import copies, new_tokens, retrieval_yield
+from specextend.metrics import Yield, copies, new_tokens, retrieval_yield, tokens_by_source
 
-from .common import STATUS_COLORS, Decode, Spec, base_layout, hover_text, message_spec, method_of, of, prompt_ids, title
+from .common import (
+    STATUS_COLORS, Decode, Spec, base_layout, draft_name, hover_text, message_spec, method_of, of, prompt_ids,
+    sat_out_note, title,
+)
 
 MAX_COLUMNS = 400  # more chunks than this are binned so a redraw stays small
 MAX_ROWS = 240  # the most recent retrievals drawn in the heatmap
@@ -304,17 +307,16 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
                       for r in shown],
         "hoverinfo": "text", "meta": NEXT_STEP,
     }
-    bought = dict(retrieval_yield(events))
+    bought = {y.step: y for y in retrieval_yield(events)}
     right, data = 0.5, []
-    if latest.scores:  # what each retrieval bought: draft tokens accepted per step while its working cache served
+    if latest.scores:  # what each retrieval bought: the draft's own tokens accepted per step it drafted
         right = 3.5
+        name = draft_name(events)
         data.append({"type": "scatter", "mode": "text", "x": [columns[-1] + 2.2 * width] * len(shown),
                      "y": [r.step for r in shown], "yaxis": "y2", "cliponaxis": False, "showlegend": False,
-                     "text": ["" if bought.get(r.step) is None else f"{bought[r.step]:.1f}" for r in shown],
+                     "text": [_yield_mark(bought.get(r.step)) for r in shown],
                      "textfont": {"size": 10, "color": "#52606d"}, "hoverinfo": "text",
-                     "hovertext": [f"after the retrieval at step {r.step}: the target accepted "
-                                   + ("…" if bought.get(r.step) is None else f"{bought[r.step]:.2f}")
-                                   + " draft tokens per step" for r in shown]})
+                     "hovertext": [_yield_words(bought.get(r.step), r.step, name) for r in shown]})
     data = [strip, heat, said, *data]
 
     shapes = [
@@ -329,7 +331,7 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
     added, dropped = changed(latest, retrievals[-2] if len(retrievals) > 1 else None)
     annotations = _change_marks(added, dropped, width)
     if latest.scores:
-        annotations.append({"text": "accepted<br>per step", "xref": "x", "yref": "paper", "x": columns[-1] + 2.2 * width,
+        annotations.append({"text": "draft tokens<br>per step", "xref": "x", "yref": "paper", "x": columns[-1] + 2.2 * width,
                             "y": 1 - 44 / 300, "yanchor": "bottom", "showarrow": False, "font": {"size": 9,
                                                                                                    "color": "#52606d"}})
     if mark is not None:
@@ -377,6 +379,25 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
     return {"data": data, "layout": layout}
 
 
+def _yield_mark(y: Yield | None) -> str:
+    """The number beside a retrieval's row: the draft's accepted tokens per step it drafted ("–": it drafted in
+    none of the steps served; "": no step served yet)."""
+    if y is None or not y.served:
+        return ""
+    return "–" if y.per_step is None else f"{y.per_step:.1f}"
+
+
+def _yield_words(y: Yield | None, step: int, name: str) -> str:
+    """A retrieval's yield in words, for its hover."""
+    if y is None or not y.served:
+        return f"after the retrieval at step {step}: no step has read this working cache yet"
+    if y.per_step is None:
+        return (f"after the retrieval at step {step}: the {name} drafted in none of the {y.served} step(s) this working "
+                "cache served")
+    return (f"after the retrieval at step {step}: the target accepted {y.per_step:.2f} of the {name}'s own tokens per "
+            f"step it drafted ({y.drafted} of {y.served} step(s); lookup's copies not counted)")
+
+
 def far_html(events: Sequence[Event], decode: Decode, limit: int = 6) -> str:
     """The chunks the latest CMR retrieval reached back for (best scored first, with their text), and what the
     retrievals that reached back bought against those that did not."""
@@ -387,10 +408,10 @@ def far_html(events: Sequence[Event], decode: Decode, limit: int = 6) -> str:
     grid = chunk_grid(latest)
     sequence = list(prompt_ids(events)) + new_tokens(events)
     far = sorted(far_chunks(latest), key=lambda i: -latest.scores[i])
-    bought = dict(retrieval_yield(events))
-    reached = [bought[r.step] for r in retrievals if far_chunks(r) and bought.get(r.step) is not None]
-    stayed = [bought[r.step] for r in retrievals if not far_chunks(r) and bought.get(r.step) is not None]
-    mean = lambda xs: f"{sum(xs) / len(xs):.2f}" if xs else "–"  # noqa: E731
+    bought = {y.step: y for y in retrieval_yield(events)}
+    reached = [bought[r.step] for r in retrievals if far_chunks(r) and r.step in bought]
+    stayed = [bought[r.step] for r in retrievals if not far_chunks(r) and r.step in bought]
+    name = draft_name(events)
     lines = [f"<li><b>chunk {i}</b> (tokens {grid[i][0]:,}–{grid[i][1]:,}, score {latest.scores[i]:.4f}): "
              f"“{html.escape(hover_text(decode(sequence[grid[i][0]:grid[i][1]]), width=10_000, limit=160))}”</li>"
              for i in far[:limit]]
@@ -398,6 +419,27 @@ def far_html(events: Sequence[Event], decode: Decode, limit: int = 6) -> str:
     head = (f"<b>Reaching back</b> after step {latest.step}: {len(far)} chunk(s) in the draft's working cache that a "
             "recency window of the same size would not hold" if far else
             f"<b>Reaching back</b> after step {latest.step}: none; the working cache is the sink and the newest chunks")
-    return (f"<div class='se-far'>{head}.<ul>{''.join(lines)}{more}</ul>Draft tokens the target accepted per step "
-            f"after retrievals that reached back: <b>{mean(reached)}</b> ({len(reached)} retrievals); after those that "
-            f"did not: <b>{mean(stayed)}</b> ({len(stayed)}).</div>")
+    notes = []
+    copied = tokens_by_source(events)["lookup"]
+    if copied:
+        notes.append(f"Lookup's {copied} accepted cop{'y' if copied == 1 else 'ies'} (the {name} did not propose "
+                     f"{'it' if copied == 1 else 'them'}) {'is' if copied == 1 else 'are'} not counted here.")
+    sat_out = sat_out_note(events)
+    if sat_out:
+        notes.append(f"{sat_out[0].upper()}{sat_out[1:]}.")
+    return (f"<div class='se-far'>{head}.<ul>{''.join(lines)}{more}</ul>The {html.escape(name)}'s own tokens the target "
+            f"accepted per step it drafted, after retrievals that reached back: {_pooled(reached)}; after those that "
+            f"did not: {_pooled(stayed)}.{''.join(' ' + html.escape(n) for n in notes)}</div>")
+
+
+def _pooled(yields: Sequence[Yield]) -> str:
+    """The draft's accepted tokens per step it drafted, pooled over retrievals, with the steps it rests on."""
+    drafted = sum(y.drafted for y in yields)
+    served = sum(y.served for y in yields)
+    if not served:
+        return "<b>–</b> (no step read such a working cache)"
+    if not drafted:
+        return f"<b>–</b> (it drafted in none of the {served} step(s) they served)"
+    accepted = sum(y.accepted for y in yields)
+    retrievals = sum(y.served > 0 for y in yields)
+    return f"<b>{accepted / drafted:.2f}</b> ({retrievals} retrievals; it drafted in {drafted} of {served} steps)"

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from specextend.events import Drafted, Event, Finished, Prefilled, Retrieved, Verified
-from specextend.metrics import committed_curve
+from specextend.metrics import committed_curve, source_of
 
-from .common import STATUS_COLORS, Decode, guessed, method_of, of
+from .common import STATUS_COLORS, Decode, draft_name, gate_reason, guessed, lookup_on, method_of, of
 from .retrieval import changed
 
 
@@ -68,6 +68,42 @@ def _quote(decode: Decode, ids: Sequence[int]) -> str:
     return f"“{html.escape(decode(list(ids)))}”" if ids else "nothing"
 
 
+SITTING_OUT = ("gate", "on_miss")
+
+
+def _sat_out(events: Sequence[Event], d: Drafted) -> str:
+    """Why the draft proposed nothing beside lookup at this step, in words."""
+    if d.sat_out == "gate":
+        return f"the {draft_name(events)} sat out, gated off for not paying: {gate_reason(events, d)}"
+    return f"the {draft_name(events)} was not asked, since lookup had found a continuation"
+
+
+def _why_nothing(events: Sequence[Event], d: Drafted | None) -> str:
+    """Why a step drafted no token: no room before the token limit, or lookup found nothing while the draft sat out."""
+    if d is None:
+        return "no room was left before the token limit"
+    missed = "lookup found no earlier occurrence of the newest tokens"
+    if d.sat_out in SITTING_OUT:
+        return f"{missed}, and {_sat_out(events, d)}"
+    return missed if lookup_on(events) else f"the {draft_name(events)} proposed no token"
+
+
+def _proposers(events: Sequence[Event], d: Drafted) -> str:
+    """Who proposed a step's tree: the draft, lookup, or both."""
+    sources = {source_of(d, n) for n in range(len(d.tokens))}
+    draft = bool(sources & {"draft", "both"})
+    copied = bool(sources & {"lookup", "both"})
+    name = f"the {draft_name(events)}"
+    return f"{name} and lookup" if draft and copied else "lookup" if copied else name
+
+
+def _by_source(events: Sequence[Event], d: Drafted, accepted: Sequence[int]) -> str:
+    """The accepted tokens of a step counted by who proposed them."""
+    counts = {s: sum(source_of(d, n) == s for n in accepted) for s in ("draft", "lookup", "both")}
+    words = {"draft": f"the {draft_name(events)}'s", "lookup": "copied by lookup", "both": "proposed by both"}
+    return ", ".join(f"{n} {words[s]}" for s, n in counts.items() if n)
+
+
 def step_html(events: Sequence[Event], step: int, decode: Decode) -> str:
     """One step in words: what the draft read and proposed, what the target kept and added."""
     last = last_step(events)
@@ -94,18 +130,21 @@ def step_html(events: Sequence[Event], step: int, decode: Decode) -> str:
     d = f.drafted
     bonus = f"<span style='color:#9a6700'>{_quote(decode, [v.bonus_token])}</span>"
     if d is None or not d.tokens:
-        parts.append(f"nothing was drafted (no room left), so the target wrote {bonus} itself")
+        parts.append(f"nothing was drafted ({_why_nothing(events, d)}), so the target wrote {bonus} itself")
     else:
         shape = "a chain" if all(p == i - 1 for i, p in enumerate(d.parents)) else "a tree"
         kept = v.committed[: v.num_accepted]
-        verdict = (f"it proposed {len(d.tokens)} token(s) as {shape}; the target "
+        by = _by_source(events, d, v.accepted_nodes[: len(kept)])
+        verdict = (f"{_proposers(events, d)} proposed {len(d.tokens)} token(s) as {shape}; the target "
                    + (f"accepted <span style='color:{STATUS_COLORS['accepted']}'>{v.num_accepted}</span>, "
-                      f"{_quote(decode, kept)}, and added its own {bonus}" if kept else f"kept none and wrote {bonus}"))
+                      f"{_quote(decode, kept)} ({by}), and added its own {bonus}" if kept else f"kept none and wrote {bonus}"))
         guess = guessed(d, v)
         if guess:
             verdict += (f" where the draft had guessed <s style='color:{STATUS_COLORS['rejected']}'>"
                         f"{_quote(decode, guess)}</s>")
         parts.append(verdict)
+        if d.sat_out in SITTING_OUT:
+            parts.append(_sat_out(events, d))
     if step == last and any(r.step >= step for r in of(events, Retrieved)):  # ② shows the end of the run
         parts.append("after it, a last retrieval (the one ② shows) chose a working cache no draft read")
     return f"<div class='se-step'>{head}: {'; '.join(parts)}.</div>"

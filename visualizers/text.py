@@ -11,7 +11,7 @@ from typing import Sequence
 
 from specextend.events import Event, Finished, Prefilling, Started
 
-from .common import STATUS_COLORS, Decode, guessed, of, segments, stop_reason
+from .common import STATUS_COLORS, Decode, draft_name, guessed, of, segments, stop_reason
 from .steps import focus
 
 LEGEND = (
@@ -25,33 +25,37 @@ LEGEND = (
 )
 
 
+def _titled(tag: str, css: str, title: str, body: str, style: str = "") -> str:
+    """An element whose hover title is `title`, escaped for an attribute (quotes and apostrophes included)."""
+    styled = f" style='{html.escape(style, quote=True)}'" if style else ""
+    return f"<{tag} class='{css}' title='{html.escape(title, quote=True)}'{styled}>{body}</{tag}>"
+
+
 def output_html(events: Sequence[Event], decode: Decode, at_step: int | None = None) -> str:
-    """The generated text so far; each accepted draft run is highlighted, hover tells its step. With `at_step`, that
-    step's tokens are outlined and the draft's guess the target did not keep follows them, struck through."""
+    """The generated text so far; each accepted draft run is highlighted, hover tells its step and who proposed it.
+    With `at_step`, that step's tokens are outlined and the draft's guess the target did not keep follows them, struck
+    through."""
+    name = draft_name(events)
     parts = []
     for source, ids, step in segments(events):
         text = html.escape(decode(list(ids)))
         if at_step is not None and step == (at_step if at_step > 0 else -1):
-            text = f"<span class='se-focus' title='step {max(at_step, 0)}'>{text}</span>"
+            text = _titled("span", "se-focus", f"step {max(at_step, 0)}", text)
         if source == "accepted":
-            parts.append(
-                f"<span class='se-draft' title='step {step}: {len(ids)} draft token(s) accepted' "
-                f"style='background:{STATUS_COLORS['accepted']}33'>{text}</span>"
-            )
+            parts.append(_titled("span", "se-draft", f"step {step}: {len(ids)} token(s) the {name} proposed, accepted",
+                                 text, f"background:{STATUS_COLORS['accepted']}33"))
         elif source == "copied":
-            parts.append(
-                f"<span class='se-copy' title='step {step}: {len(ids)} token(s) copied by lookup and accepted' "
-                f"style='background:{STATUS_COLORS['copied']}2e'>{text}</span>"
-            )
+            parts.append(_titled("span", "se-copy", f"step {step}: {len(ids)} token(s) copied by lookup and accepted",
+                                 text, f"background:{STATUS_COLORS['copied']}2e"))
         else:
             where = "first token, from the prefill" if step < 0 else f"step {step}: the target's token"
-            parts.append(f"<span class='se-target' title='{where}'>{text}</span>")
+            parts.append(_titled("span", "se-target", where, text))
     if at_step is not None and at_step > 0:
         step = focus(events, at_step)
         guess = guessed(step.drafted, step.verified) if step.verified else ()
         if guess:
-            parts.append(f"<s class='se-guess' title='step {at_step}: the draft guessed this; the target wrote the "
-                         f"last token of the step instead'>{html.escape(decode(list(guess)))}</s>")
+            parts.append(_titled("s", "se-guess", f"step {at_step}: the draft guessed this; the target wrote the last "
+                                 "token of the step instead", html.escape(decode(list(guess)))))
     reason = stop_reason(events)
     note = {"running": "…", "stopped": " ⏹ stopped", "eos": "", "max_new_tokens": " [token limit]"}.get(reason, "")
     body = "".join(parts) or f"<i>{html.escape(waiting_for(events))}</i>"
