@@ -47,6 +47,7 @@ def listen_message(host: str, port: int, problem: OSError) -> str:
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("app").setLevel(logging.INFO)  # the app's own progress (a preload), not every HTTP request
+    logging.getLogger("specextend.tools.bundled").setLevel(logging.INFO)  # the bundled target's first preparation
     try:
         settings = Settings.from_env()
         problem = cannot_listen(settings.host, settings.port)  # before a preload can take minutes

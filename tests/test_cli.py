@@ -85,3 +85,16 @@ def test_errors_are_messages_not_tracebacks(tiny_dirs, tmp_path, capsys):
     assert "exceeds the target's limit of 2048" in capsys.readouterr().err
     assert main(["generate", "--input", str(long), "--target", str(tiny_dirs[0]), "--draft", str(tiny_dirs[1]),
                  "--max-new-tokens", "4", "--truncate"]) == 0
+
+
+def test_the_bundled_targets_first_preparation_is_reported_on_stderr(tmp_path, capsys, monkeypatch):
+    def preparing(progress):
+        progress("Downloading the target: 12 of ~93 MB")
+        raise FileNotFoundError("the test stops here")
+
+    monkeypatch.setattr(bundled, "default_pair", preparing)
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The river flooded the valley. " * 20)
+    assert main(["generate", "--input", str(doc)]) == 2
+    printed = capsys.readouterr()
+    assert printed.err.splitlines()[0] == "Downloading the target: 12 of ~93 MB" and printed.out == ""

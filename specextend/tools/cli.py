@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 from . import prompting
@@ -170,7 +171,8 @@ def generate_command(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.input} is empty")
     if args.threads:
         torch.set_num_threads(args.threads)
-    target, draft = bundled.pair_or_default(args.target, args.draft)
+    # the bundled target's first preparation says how far it has got, on stderr (stdout keeps the text and the JSON)
+    target, draft = bundled.pair_or_default(args.target, args.draft, partial(print, file=sys.stderr, flush=True))
     tokenizer = read_tokenizer(target)
     pair = load_pair(target, draft if args.method not in ("autoregressive", "lookup") else None, args.device, args.dtype,
                      tokenizer)
