@@ -92,8 +92,9 @@ NEEDLE_INTRO = """
 A one-sentence fact (the *needle*) is planted in a long document and the model is asked about it. The target reads
 the whole document, so its answer is the same in every run. But the draft only sees its small working cache: to
 guess the answer's tokens, the needle must be in it. **CMR** fills that cache with the chunks the target's attention
-scores highest; *which* attention is the retrieval signal. Three runs, same prompt, same working-cache budget,
-a retrieval after every step:
+scores highest; *which* attention is the retrieval signal. Three runs, same prompt, a retrieval after every step,
+and the same working-cache budget (the chunks you set × 32 tokens). StreamingLLM fills it to the token; CMR keeps
+whole chunks, and the newest of them is still being written, so it holds up to one chunk fewer:
 
 - **CMR, the pair's chosen signal**: the heads and query rows calibrated for this target on the bundled documents
   (needles planted at several depths; the rows are the last tokens the target has read, at first the question), with
@@ -680,7 +681,7 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
                 n_answers = gr.HTML(elem_id="needle-answers", label="answers")
                 n_heads = gr.Plot(show_label=False, elem_id="needle-heads", label="layers and heads")
                 gr.Markdown("Each run's working cache after every retrieval (the needle's chunks marked):")
-                with gr.Row():
+                with gr.Column():  # one above the other: side by side, their titles were cut off
                     n_cmr = gr.Plot(show_label=False, elem_id="needle-cmr", label="CMR default signal")
                     n_paper = gr.Plot(show_label=False, elem_id="needle-paper", label="CMR paper signal")
                     n_stream = gr.Plot(show_label=False, elem_id="needle-streaming", label="StreamingLLM")

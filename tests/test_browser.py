@@ -23,6 +23,7 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-f
 OUT = Path(__file__).parent.parent / "test-output"
 PLOTS = ("retrieval-plot", "acceptance-plot", "throughput-plot")
 DOCUMENT_CHARS = 5000  # about 1,300 tokens: a short prefill on a CPU-only CI machine
+MAX_CHARS = 50_000  # the test server's cap on a document: a longer one is refused at once
 
 pytestmark = pytest.mark.skipif(
     not CHROMIUM.exists(), reason="Debian chromium is not installed at /usr/bin/chromium (apt-get install -y chromium)"
@@ -59,7 +60,7 @@ def studio_url():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    settings = Settings(port=port)
+    settings = Settings(port=port, max_document_chars=MAX_CHARS)
     demo = build_app(factory, settings)
     launch(demo, settings, prevent_thread_lock=True, quiet=True)
     yield f"http://127.0.0.1:{port}/", max_new
@@ -114,8 +115,13 @@ def test_a_race_draws_every_panel(studio_url, browser, engine):
     page.get_by_text("Knobs").click()
     set_number(page, "#max-new input[type=number]", max_new)
     page.click("#run")
+    page.wait_for_function("document.querySelector('#stepper') === null || "
+                           "!document.querySelector('#stepper').checkVisibility()")
+    page.click("#run")  # again, while the run goes: the page says so, and the run goes on
+    page.wait_for_function("document.querySelector('#status').innerText.includes('A run is going')", timeout=30_000)
     page.wait_for_function("document.querySelector('#status').innerText.includes('Done.')", timeout=900_000)
     assert "se-bad" not in page.inner_html("#status"), page.inner_text("#status")
+    assert "A run is going" not in page.inner_text("#status")
     # every panel drew: plotly graph divs with traces, and the output text
     page.wait_for_function(
         f"{list(PLOTS)}.every(id => (document.querySelector(`#${{id}} .js-plotly-plot`)?._fullData || []).length > 0)"
@@ -177,6 +183,15 @@ def test_needle_teaching_tab_compares_two_signals_and_streaming(studio_url, brow
         assert heads["type"] == "heatmap" and len(heads["y"]) == 30  # the target's 30 layers
     OUT.mkdir(exist_ok=True)
     page.screenshot(path=str(OUT / f"needle-{engine}.png"), full_page=True)
+    # the Long-document tab owns its runs: a refused run there brings back no step control over the needle runs
+    page.get_by_role("tab", name="Long document").click()
+    page.fill("#document textarea", "word " * (MAX_CHARS // 4))
+    page.click("#run")
+    page.wait_for_function("document.querySelector('#status').innerText.includes('up to 50,000 characters')",
+                           timeout=30_000)
+    page.wait_for_timeout(1500)  # the step control's update comes after the run's answer
+    assert not page.locator("#stepper").is_visible()
+    assert "waiting for the run" not in page.inner_text("#output")
     page.close()
 
 
@@ -236,6 +251,12 @@ def stepped(page) -> dict:
     }""")
 
 
+# element ids seen twice; Plotly's own marker definitions (id "symbol", one per chart) are not the page's
+DUPLICATE_IDS = """() => { const seen = {};
+    for (const e of document.querySelectorAll('[id]')) if (e.id) seen[e.id] = (seen[e.id] || 0) + 1;
+    return Object.entries(seen).filter(([id, n]) => n > 1 && !['symbol'].includes(id)); }"""
+
+
 def click(page, elem_id: str, trace: int, x: float, y: float) -> None:
     """A click on a point of a panel, as Plotly reports it, once the page has hooked the panel's graph."""
     page.wait_for_function(f"document.querySelector('#{elem_id} .js-plotly-plot')?.__stepHooked === true",
@@ -278,8 +299,11 @@ def test_the_step_control_moves_every_panel_through_a_replayed_trace(studio_url,
     before = stepped(page)
     assert before["columns"] == last - 1 and before["output"] != end["output"]
 
-    set_number(page, "#step-slider input[type=number]", 6)  # typed into the slider's box
-    page.locator("#step-slider input[type=range]").dispatch_event("pointerup")
+    assert not page.evaluate(DUPLICATE_IDS)  # no two elements share an id (a gradio Group repeats its own)
+    page.focus("#step-slider input[type=range]")
+    page.keyboard.press("ArrowLeft")  # a key moves the slider, and every panel with it
+    wait_for_step(page, last - 2)
+    page.fill("#step-slider input[type=number]", "6")  # typed into the slider's box: no blur, no release
     wait_for_step(page, 6)
     early = stepped(page)
     assert early["columns"] == 6 and len(early["output"]) < len(before["output"])
@@ -296,4 +320,27 @@ def test_the_step_control_moves_every_panel_through_a_replayed_trace(studio_url,
     wait_for_step(page, 10)
     OUT.mkdir(exist_ok=True)
     page.screenshot(path=str(OUT / "stepping.png"), full_page=False)
+    page.close()
+
+
+@pytest.mark.parametrize("engine", [ENGINE])
+def test_stop_during_a_replay_is_said_until_the_end_and_the_end_stays(studio_url, browser, engine):
+    """A replay at its recorded pace (the fixture's runs took minutes) stopped midway: the status says it is
+    stopping, then that it stopped, and that last word stays (Stop's own answer never lands after it)."""
+    url, _ = studio_url
+    page = browser.new_page(viewport={"width": 1500, "height": 1100})
+    page.goto(url)
+    page.wait_for_selector("#run")
+    page.get_by_text("Replay a trace without loading any model").click()
+    page.set_input_files("#trace-file input[type=file]", str(FIXTURE_TRACE))
+    page.wait_for_function("document.querySelector('#trace-file')?.innerText.includes('.json')", timeout=30_000)
+    page.get_by_label("recorded pace").check()
+    page.click("#replay")
+    page.wait_for_function("document.querySelector('#status').innerText.includes('step ')", timeout=60_000)
+    page.click("#stop")
+    page.wait_for_function("document.querySelector('#status').innerText.includes('Stopped, as asked')",
+                           timeout=30_000)
+    page.wait_for_timeout(3000)
+    status = page.inner_text("#status")
+    assert "Stopped, as asked" in status and "Stopping" not in status
     page.close()
