@@ -163,14 +163,14 @@ def main(argv=None) -> int:
     rows = sweep(cases, args.max_new_tokens, costs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps({"grid": GRID, "nodes": NODES, "verify_cost": costs, "rows": rows,
+                                                "cases": [{k: c[k] for k in ("document", "length")} | {
+                                                    "prompt_tokens": len(c["prompt"]), "new_tokens": len(c["output"])}
+                                                    for c in cases]}, indent=1))  # the numbers first, then the table
     text = "Verification cost in autoregressive steps, by chain nodes " + ", ".join(map(str, NODES)) + ":\n\n" + "".join(
         f"- ~{length} tokens: " + ", ".join(f"{c:.2f}" for c in row) + "\n" for length, row in costs.items()) + "\n"
     text += markdown(rows, args.top)
     (out / "sweep.md").write_text(text)
-    (out / "sweep.json").write_text(json.dumps({"grid": GRID, "nodes": NODES, "verify_cost": costs, "rows": rows,
-                                                "cases": [{k: c[k] for k in ("document", "length")} | {
-                                                    "prompt_tokens": len(c["prompt"]), "new_tokens": len(c["output"])}
-                                                    for c in cases]}, indent=1))
     print(text)
     return 0
 

@@ -120,3 +120,43 @@ def test_needle_only_run_writes_only_the_needle_figure(tmp_path, capsys):
     assert "needle.html" in report["files"] and not (tmp_path / "throughput.html").exists()
     md = (tmp_path / "bench.md").read_text()
     assert "**Needle retrieval**" in md and "| goal |" not in md
+
+
+SMALL = ["--quick", "--methods", "autoregressive,speculative", "--skip", "sweep,needle"]
+
+
+def test_png_writer_without_a_browser_loses_nothing(tmp_path, monkeypatch, capsys):
+    """kaleido installed and no Chrome: plotly raises RuntimeError from write_images. The run's JSON, tables and HTML
+    figures are written all the same, and the skipped PNGs are reported."""
+    pytest.importorskip("kaleido")
+    import plotly.io as pio
+
+    def no_browser(*args, **kwargs):
+        raise RuntimeError("Kaleido requires Google Chrome to be installed.")
+
+    monkeypatch.setattr(pio, "write_images", no_browser)
+    rc = bench.main([*SMALL, "--out", str(tmp_path)])
+    assert rc == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["png"].startswith("skipped") and "Kaleido requires Google Chrome" in report["png"]
+    assert {"bench.csv", "bench.md", "throughput.html"} <= set(report["files"])
+    assert not any(name.endswith(".png") for name in report["files"])
+    assert "Kaleido requires Google Chrome" in capsys.readouterr().err
+
+
+def test_a_figure_that_cannot_be_drawn_is_reported_and_the_numbers_are_kept(tmp_path, monkeypatch, capsys):
+    def broken(report):
+        assert (tmp_path / "bench.json").exists() and (tmp_path / "bench.md").exists()  # the numbers come first
+        raise ValueError("a figure went wrong")
+
+    monkeypatch.setattr(bench.report, "figures", broken)
+    rc = bench.main([*SMALL, "--out", str(tmp_path)])
+    assert rc == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["figure_errors"] == ["the figures could not be drawn: ValueError: a figure went wrong"]
+    assert {c["method"] for c in report["cells"]} == {"autoregressive", "speculative"}
+    assert "method" in (tmp_path / "bench.csv").read_text().splitlines()[0].split(",")
+    assert "| autoregressive |" in (tmp_path / "bench.md").read_text()
+    assert not list(tmp_path.glob("*.html"))
+    err = capsys.readouterr().err
+    assert "a figure went wrong" in err and "bench.json" in err

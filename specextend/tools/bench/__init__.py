@@ -16,9 +16,10 @@ tokenizer, short inputs):
 
 Every engine number comes from the engine's own events (metrics.summarize); assisted generation is timed
 by a streamer. Tokenization goes through specextend.tools.prompting, as the CLI's and the app's does. Shows a
-progress bar on stderr, prints a table and, as its last line, one JSON object; writes JSON, CSV and Plotly figures
-(HTML; PNG when kaleido is installed) to the results folder. Plotly and tokenizers are imported only where they are
-used.
+progress bar on stderr, prints a table and, as its last line, one JSON object; writes JSON, CSV and Markdown to the
+results folder first, then Plotly figures (HTML; PNG when kaleido finds a browser). A figure that cannot be drawn is
+reported (on stderr and in the JSON's `figure_errors` and `png`), never fatal. Plotly and tokenizers are imported
+only where they are used.
 
 Parts: `inputs` (methods and prompts), `runs` (one run, the greedy check, medians, goals), `sections` (needle
 retrieval and the retrieval sweep), `report` (files and tables; the figures come from visualizers.bench), `main`

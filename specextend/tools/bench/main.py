@@ -198,7 +198,7 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         report = run(args, lambda total: tqdm(total=total, file=sys.stderr, dynamic_ncols=True))
         report["wall_s"] = time.perf_counter() - start
-        write_outputs(report, Path(args.out))
+        errors = write_outputs(report, Path(args.out))
     except GreedyMismatch as err:
         print(f"error: {err}", file=sys.stderr)
         return 3
@@ -207,6 +207,8 @@ def main(argv=None) -> int:
         return 2
     finally:
         hf_logging.set_verbosity(verbosity)
+    for error in errors + ([] if report["png"] == "written" else [f"PNG figures {report['png']}"]):
+        print(f"warning: {error} (the numbers are saved: {Path(args.out) / 'bench.json'})", file=sys.stderr)
     print(table(report))
     print(json.dumps(plain({k: v for k, v in report.items() if k != "runs" and k != "needle"}
                            | {"needle": report.get("needle") and report["needle"].summary, "out": str(args.out)})))

@@ -56,35 +56,54 @@ def write_csv(rows: list, path: Path) -> None:
 
 
 
-def write_outputs(report: dict, out: Path) -> None:
+def write_outputs(report: dict, out: Path) -> list[str]:
+    """Write the report: its JSON and tables first, then its figures (visualizers.bench). A figure
+    that cannot be drawn or saved is reported (in `report["figure_errors"]`, and returned), never fatal: what the run
+    computed is on disk before any figure is tried, and the JSON is written again with the figures' files."""
     out.mkdir(parents=True, exist_ok=True)
     write_csv(report["cells"], out / "bench.csv")
     if report.get("sweep"):
         write_csv(report["sweep"], out / "sweep.csv")
     (out / "bench.md").write_text(markdown(report))
     files = ["bench.json", "bench.csv", "bench.md"] + (["sweep.csv"] if report.get("sweep") else [])
-    figs = figures(report)
+    report.update(files=files, png="not tried yet: the figures come after the numbers", figure_errors=[])
+    write_json(report, out)
+    errors = report["figure_errors"]
+    try:
+        figs = figures(report)
+    except Exception as err:  # a boundary: the numbers are saved; a figure that fails is reported, not fatal
+        errors.append(f"the figures could not be drawn: {type(err).__name__}: {err}")
+        figs = {}
     for stem, fig in figs.items():
-        fig.write_html(out / f"{stem}.html", include_plotlyjs="cdn")
-        files.append(f"{stem}.html")
-    report["png"] = write_pngs(figs, out)
+        try:
+            fig.write_html(out / f"{stem}.html", include_plotlyjs="cdn")
+            files.append(f"{stem}.html")
+        except Exception as err:  # the same boundary, per figure
+            errors.append(f"{stem}.html could not be written: {type(err).__name__}: {err}")
+    report["png"] = write_pngs(figs, out) if figs else "skipped: no figure was drawn"
     if report["png"] == "written":
         files += [f"{stem}.png" for stem in figs]
-    report["files"] = files
+    write_json(report, out)
+    return errors
+
+
+def write_json(report: dict, out: Path) -> None:
     (out / "bench.json").write_text(json.dumps(plain(report), indent=1))
 
 
 def write_pngs(figs: dict, out: Path) -> str:
-    """PNG copies of the figures through kaleido, which drives a local Chrome or Chromium; says what happened."""
+    """PNG copies of the figures through kaleido, which drives a local Chrome or Chromium; says what happened. Without
+    a working browser plotly raises RuntimeError (kaleido's ChromeNotFoundError and BrowserFailedError are
+    RuntimeErrors too) or, when the browser dies mid-way, an OSError: both are reported, not raised."""
     if importlib.util.find_spec("kaleido") is None:
         return "skipped: kaleido is not installed (pip install -r requirements-dev.txt to get PNG figures)"
     import plotly.io as pio
-    from choreographer.errors import BrowserFailedError, ChromeNotFoundError
 
     try:
         pio.write_images(list(figs.values()), [out / f"{stem}.png" for stem in figs], width=1100, height=550)
-    except (ChromeNotFoundError, BrowserFailedError) as err:
-        return f"skipped: kaleido found no working Chrome or Chromium ({err})"
+    except (RuntimeError, OSError) as err:
+        return f"skipped: kaleido could not draw them, most often for want of a working Chrome or Chromium " \
+               f"({type(err).__name__}: {err})"
     return "written"
 
 
