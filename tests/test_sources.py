@@ -20,7 +20,7 @@ from specextend.events import Drafted, Finished, Prefilled, Retrieved, Started, 
 from specextend.metrics import (
     Yield, acceptance_by_position, acceptance_by_source, retrieval_yield, sat_out, step_tokens_by_source, summarize,
 )
-from visualizers import acceptance_spec, far_html, output_html, retrieval_spec, throughput_html
+from visualizers import acceptance_spec, answer_html, far_html, output_html, retrieval_spec, throughput_html
 from visualizers.steps import step_html
 
 CONFIG = asdict(preset("specextend", lookup=LookupConfig(enabled=True, with_draft="always")))  # draft_gate 1.0
@@ -34,9 +34,9 @@ def decode(ids):
 
 def lookup_run() -> list:
     """Six steps: 1 the draft's chain, all rejected; 2 lookup's branch (accepted) beside a draft node; 3 the draft
-    gated off and lookup found nothing; 4 the draft gated off, lookup's copy accepted; 5 a node both proposed,
-    accepted; 6 no room left (no Drafted). The retrieval after prefill reaches back (chunk 1); the one after step 2
-    keeps the sink and the newest chunks only."""
+    gated off and lookup found nothing; 4 the draft gated off, lookup's first copy accepted, its second not; 5 a node
+    both proposed, accepted; 6 no room left (no Drafted). The retrieval after prefill reaches back (chunk 1); the one
+    after step 2 keeps the sink and the newest chunks only."""
     gate = {"sat_out": "gate", "recent": (0, 0, 0, 0)}
     return [
         Started(0.0, 0.0, "specextend", PROMPT, CONFIG, 3, 1, "cpu", "float32"),
@@ -51,8 +51,8 @@ def lookup_run() -> list:
                   ((0, 16), (48, 67)), 35),
         Drafted(1.7, 0.0, 3, 68, (), (), (), 0, (), (), **gate),
         Verified(1.8, 0.1, 3, 69, (), (), 0, 14, (14,), 6),
-        Drafted(1.9, 0.0, 4, 69, (15,), (-1,), (1.0,), 0, ("lookup",), (30,), **gate),
-        Verified(2.0, 0.1, 4, 70, (0,), (True,), 1, 16, (15, 16), 8),
+        Drafted(1.9, 0.0, 4, 69, (15, 21), (-1, 0), (1.0, 1.0), 0, ("lookup", "lookup"), (30, 31), **gate),
+        Verified(2.0, 0.1, 4, 70, (0,), (True, False), 1, 16, (15, 16), 8),
         Drafted(2.1, 0.1, 5, 71, (17, 18), (-1, 0), (0.8, 0.2), 2, ("both", "draft"), (40, -1), "", (0, 0, 0, 1)),
         Verified(2.2, 0.1, 5, 72, (0,), (True, False), 1, 19, (17, 19), 10),
         Verified(2.3, 0.1, 6, 74, (), (), 0, 20, (20,), 11),
@@ -67,10 +67,11 @@ def words(text: str) -> str:
 def test_the_metrics_credit_each_accepted_token_to_its_source():
     run = lookup_run()
     # the draft's nodes (its own or shared with a lookup): depth 1 in steps 1, 2, 5, accepted in 5 (both); depth 2 in
-    # steps 1 and 5, never accepted. Lookup's: depth 1 in steps 2, 4, 5, all accepted; depth 2 in step 2, accepted.
-    assert acceptance_by_source(run) == {"draft": (1 / 3, 0.0), "lookup": (1.0, 1.0)}
+    # steps 1 and 5, never accepted. Lookup's: depth 1 in steps 2, 4, 5, all accepted; depth 2 in steps 2 and 4,
+    # accepted in 2.
+    assert acceptance_by_source(run) == {"draft": (1 / 3, 0.0), "lookup": (1.0, 0.5)}
     assert summarize(run).acceptance_by_source == acceptance_by_source(run)
-    assert acceptance_by_position(run) == pytest.approx((3 / 4, 1 / 3))  # the two mixed, as before
+    assert acceptance_by_position(run) == pytest.approx((3 / 4, 1 / 4))  # the two mixed, as before
     split = step_tokens_by_source(run)
     assert split == pytest.approx({"draft": 0.0, "lookup": 3 / 6, "both": 1 / 6, "target": 1.0})
     assert sum(split.values()) == pytest.approx(summarize(run).mean_accepted)
@@ -84,7 +85,7 @@ def test_the_metrics_credit_each_accepted_token_to_its_source():
 def test_the_acceptance_panel_splits_rates_and_tokens_by_source_and_says_why_the_draft_sat_out():
     spec = acceptance_spec(lookup_run(), decode)
     bars = {t["name"]: t["y"] for t in spec["data"] if t["type"] == "bar" and t["xaxis"] == "x2"}
-    assert bars == {"the draft model": [1 / 3, 0.0], "lookup": [1.0, 1.0]}
+    assert bars == {"the draft model": [1 / 3, 0.0], "lookup": [1.0, 0.5]}
     title = words(spec["layout"]["title"]["text"])
     assert "1.67 tokens committed per step: 0.00 the draft model's + 0.50 lookup's + 0.17 proposed by both + 1.00 " \
            "the target's" in title
@@ -113,14 +114,17 @@ def test_the_draft_drafting_in_no_step_served_is_said_not_averaged_as_zero():
 
 
 @pytest.mark.parametrize("step,said,unsaid", [
-    (1, ["the draft model proposed 2 token(s) as a chain; the target kept none"], ["lookup"]),
+    (1, ["the draft model proposed 2 token(s) as a chain; the target kept none",
+         "where the draft model had guessed “ w7 w8”"], ["lookup"]),
     (2, ["the draft model and lookup proposed 3 token(s) as a tree", "accepted 2, “ w10 w11” (2 copied by lookup)"],
      ["sat out"]),
     (3, ["nothing was drafted (lookup found no earlier occurrence of the newest tokens, and the draft model sat out, "
          "gated off for not paying: its last 4 uses got 0, 0, 0, 0 token(s) accepted, 0.00 per use, below the gate "
          "of 1), so the target wrote “ w14” itself"], ["no room"]),
-    (4, ["lookup proposed 1 token(s)", "(1 copied by lookup)", "the draft model sat out, gated off"], ["no room"]),
-    (5, ["the draft model and lookup proposed 2 token(s)", "(1 proposed by both)"], ["sat out"]),
+    (4, ["lookup proposed 2 token(s)", "(1 copied by lookup)", "where lookup had guessed “ w21”",
+         "the draft model sat out, gated off"], ["no room", "the draft model had guessed"]),
+    (5, ["the draft model and lookup proposed 2 token(s)", "(1 proposed by both)", "where the draft model had guessed"],
+     ["sat out"]),
     (6, ["nothing was drafted (no room was left before the token limit)"], ["sat out"]),
 ])
 def test_a_step_in_words_credits_its_tokens_and_gives_the_real_reason_nothing_was_drafted(step, said, unsaid):
@@ -131,11 +135,21 @@ def test_a_step_in_words_credits_its_tokens_and_gives_the_real_reason_nothing_wa
         assert phrase not in text
 
 
-def test_the_speed_table_splits_tokens_per_step_by_source():
+@pytest.mark.parametrize("step,who", [(1, "the draft model"), (4, "lookup")])
+def test_the_outputs_struck_guess_names_who_guessed_it(step, who):
+    parser = Titles()
+    parser.feed(output_html(lookup_run(), decode, at_step=step))
+    assert [t for css, t in parser.titles if css == "se-guess"] == [
+        f"step {step}: {who} guessed this; the target wrote the last token of the step instead"]
+
+
+def test_the_speed_tables_split_tokens_per_step_by_source():
     run = lookup_run()
     table = words(throughput_html({"specextend": run}))
     assert "tokens per step, by who proposed them" in table
     assert "1.67draft model 0.00 · lookup 0.50 · both 0.17 · target 1.00" in table
+    answers = words(answer_html({"specextend": run}, decode, "w9"))  # the needle tab's table, the same split
+    assert "tokens per step, by who proposed them" in answers and "draft model 0.00 · lookup 0.50" in answers
 
 
 class Titles(HTMLParser):
@@ -171,6 +185,6 @@ def test_output_tooltips_survive_apostrophes_and_quotes():
         ("se-focus", "step 1"),
         ("se-target", "step 1: the target's token"),
         ("se-focus", "step 1"),
-        ("se-guess", "step 1: the draft guessed this; the target wrote the last token of the step instead"),
+        ("se-guess", f"step 1: the {name} guessed this; the target wrote the last token of the step instead"),
     ]
     assert quoted([5, 7, 6, 8]) in parser.text

@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 
 from specextend.events import Drafted, Event, Finished, Prefilled, Started, Verified
 from specextend.methods import METHOD_TABLE
-from specextend.metrics import sat_out, source_of
+from specextend.metrics import sat_out, source_of, step_tokens_by_source
 
 Decode = Callable[[Sequence[int]], str]  # token ids -> text
 Spec = dict[str, Any]
@@ -72,6 +72,19 @@ def accepted_kind(drafted: Drafted | None, node: int) -> str:
     return "copied" if source_of(drafted, node) != "draft" else "accepted"
 
 
+def by_source_html(events: Sequence[Event]) -> str:
+    """A run's tokens per step by who proposed them (the draft, lookup, both, the target), to go under its total in
+    a table ("" for the target alone)."""
+    if not (has_draft(events) or lookup_on(events)):
+        return ""
+    split = step_tokens_by_source(events)
+    parts = [f"{html.escape(draft_name(events))} {split['draft']:.2f}"] if has_draft(events) else []
+    parts += [f"lookup {split['lookup']:.2f}"] if lookup_on(events) else []
+    parts += [f"both {split['both']:.2f}"] if split["both"] else []
+    parts.append(f"target {split['target']:.2f}")
+    return f"<div class='se-muted'>{' · '.join(parts)}</div>"
+
+
 def gate_reason(events: Sequence[Event], drafted: Drafted) -> str:
     """Why the gate kept the draft out at this step: its recent accepted tokens per use against the threshold."""
     started = of(events, Started)
@@ -125,9 +138,18 @@ def segments(events: Sequence[Event]) -> list[tuple[str, tuple[int, ...], int]]:
     return out
 
 
-def guessed(drafted: Drafted | None, verified: Verified) -> tuple[int, ...]:
-    """The draft's own continuation past what the target kept: from the last accepted node, the first child at
-    each depth (a chain's rejected tail; a tree's first branch), as token ids."""
+def proposed_by(events: Sequence[Event], d: Drafted, nodes: Sequence[int] | None = None) -> str:
+    """Who proposed a step's tree (or these `nodes` of it): the draft, lookup, or both."""
+    sources = {source_of(d, n) for n in (range(len(d.tokens)) if nodes is None else nodes)}
+    draft = bool(sources & {"draft", "both"})
+    copied = bool(sources & {"lookup", "both"})
+    name = f"the {draft_name(events)}"
+    return f"{name} and lookup" if draft and copied else "lookup" if copied else name
+
+
+def guessed_nodes(drafted: Drafted | None, verified: Verified) -> tuple[int, ...]:
+    """The tree's continuation past what the target kept (the draft's or a lookup's guess): from the last accepted
+    node, the first child at each depth (a chain's rejected tail; a tree's first branch), as node indices."""
     if drafted is None:
         return ()
     children: dict[int, list[int]] = {}
@@ -136,8 +158,13 @@ def guessed(drafted: Drafted | None, verified: Verified) -> tuple[int, ...]:
     node, out = (verified.accepted_nodes[-1] if verified.accepted_nodes else -1), []
     while children.get(node):
         node = children[node][0]
-        out.append(drafted.tokens[node])
+        out.append(node)
     return tuple(out)
+
+
+def guessed(drafted: Drafted | None, verified: Verified) -> tuple[int, ...]:
+    """`guessed_nodes` as token ids."""
+    return tuple(drafted.tokens[n] for n in guessed_nodes(drafted, verified))
 
 
 def label(method: str) -> str:

@@ -16,7 +16,9 @@ from typing import Mapping, Sequence
 from specextend.events import Event, Retrieved, Started
 from specextend.metrics import new_tokens, summarize
 
-from .common import STATUS_COLORS, Decode, Spec, base_layout, label, message_spec, of, stop_reason, title
+from .common import (
+    STATUS_COLORS, Decode, Spec, base_layout, by_source_html, label, message_spec, of, stop_reason, title,
+)
 
 
 def held_share(r: Retrieved, span: tuple[int, int]) -> float:
@@ -114,12 +116,13 @@ def answer_html(runs: Mapping[str, Sequence[Event]], decode: Decode, expected: s
         mark = "✔ right" if right else ("…" if stop_reason(events) == "running" else "✘ does not contain it")
         first = "–" if needle_span is None or not retrievals else f"{held_share(retrievals[0], needle_span):.0%}"
         rows.append(f"<tr><td>{html.escape(run_label(method, retrievals))}</td><td>{html.escape(answer) or '…'}</td>"
-                    f"<td class='{'se-ok' if right else 'se-bad'}'>{mark}</td><td>{first}</td><td>{s.mean_accepted:.2f}</td>"
-                    f"<td>{s.decode_tokens_per_s:.1f}</td></tr>")
+                    f"<td class='{'se-ok' if right else 'se-bad'}'>{mark}</td><td>{first}</td><td>{s.mean_accepted:.2f}"
+                    f"{by_source_html(events)}</td><td>{s.decode_tokens_per_s:.1f}</td></tr>")
     return (f"<p>Expected answer: <b>{html.escape(expected)}</b>. Greedy speculative decoding is exact, so every run "
             "writes the target's own answer; what the draft's cache changes is how many of its guesses the target "
             "accepts, and so the speed.</p><table class='se-table'><thead><tr><th>draft cache</th><th>answer</th>"
-            "<th></th><th>needle held after the first retrieval</th><th>tokens per step</th><th>decode tokens/s</th>"
+            "<th></th><th>needle held after the first retrieval</th><th>tokens per step, by who proposed them</th>"
+            "<th>decode tokens/s</th>"
             f"</tr></thead><tbody>{''.join(rows)}</tbody></table>")
 
 

@@ -15,7 +15,9 @@ from typing import Sequence
 from specextend.events import Drafted, Event, Finished, Prefilled, Retrieved, Verified
 from specextend.metrics import committed_curve, source_of
 
-from .common import STATUS_COLORS, Decode, draft_name, gate_reason, guessed, lookup_on, method_of, of
+from .common import (
+    STATUS_COLORS, Decode, draft_name, gate_reason, guessed_nodes, lookup_on, method_of, of, proposed_by,
+)
 from .retrieval import changed
 
 
@@ -88,15 +90,6 @@ def _why_nothing(events: Sequence[Event], d: Drafted | None) -> str:
     return missed if lookup_on(events) else f"the {draft_name(events)} proposed no token"
 
 
-def _proposers(events: Sequence[Event], d: Drafted) -> str:
-    """Who proposed a step's tree: the draft, lookup, or both."""
-    sources = {source_of(d, n) for n in range(len(d.tokens))}
-    draft = bool(sources & {"draft", "both"})
-    copied = bool(sources & {"lookup", "both"})
-    name = f"the {draft_name(events)}"
-    return f"{name} and lookup" if draft and copied else "lookup" if copied else name
-
-
 def _by_source(events: Sequence[Event], d: Drafted, accepted: Sequence[int]) -> str:
     """The accepted tokens of a step counted by who proposed them."""
     counts = {s: sum(source_of(d, n) == s for n in accepted) for s in ("draft", "lookup", "both")}
@@ -135,13 +128,13 @@ def step_html(events: Sequence[Event], step: int, decode: Decode) -> str:
         shape = "a chain" if all(p == i - 1 for i, p in enumerate(d.parents)) else "a tree"
         kept = v.committed[: v.num_accepted]
         by = _by_source(events, d, v.accepted_nodes[: len(kept)])
-        verdict = (f"{_proposers(events, d)} proposed {len(d.tokens)} token(s) as {shape}; the target "
+        verdict = (f"{proposed_by(events, d)} proposed {len(d.tokens)} token(s) as {shape}; the target "
                    + (f"accepted <span style='color:{STATUS_COLORS['accepted']}'>{v.num_accepted}</span>, "
                       f"{_quote(decode, kept)} ({by}), and added its own {bonus}" if kept else f"kept none and wrote {bonus}"))
-        guess = guessed(d, v)
+        guess = guessed_nodes(d, v)
         if guess:
-            verdict += (f" where the draft had guessed <s style='color:{STATUS_COLORS['rejected']}'>"
-                        f"{_quote(decode, guess)}</s>")
+            verdict += (f" where {proposed_by(events, d, guess)} had guessed <s style='color:{STATUS_COLORS['rejected']}'>"
+                        f"{_quote(decode, [d.tokens[n] for n in guess])}</s>")
         parts.append(verdict)
         if d.sat_out in SITTING_OUT:
             parts.append(_sat_out(events, d))

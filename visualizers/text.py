@@ -11,7 +11,7 @@ from typing import Sequence
 
 from specextend.events import Event, Finished, Prefilling, Started
 
-from .common import STATUS_COLORS, Decode, draft_name, guessed, of, segments, stop_reason
+from .common import STATUS_COLORS, Decode, draft_name, guessed_nodes, of, proposed_by, segments, stop_reason
 from .steps import focus
 
 LEGEND = (
@@ -52,10 +52,11 @@ def output_html(events: Sequence[Event], decode: Decode, at_step: int | None = N
             parts.append(_titled("span", "se-target", where, text))
     if at_step is not None and at_step > 0:
         step = focus(events, at_step)
-        guess = guessed(step.drafted, step.verified) if step.verified else ()
+        guess = guessed_nodes(step.drafted, step.verified) if step.verified else ()
         if guess:
-            parts.append(_titled("s", "se-guess", f"step {at_step}: the draft guessed this; the target wrote the last "
-                                 "token of the step instead", html.escape(decode(list(guess)))))
+            parts.append(_titled("s", "se-guess", f"step {at_step}: {proposed_by(events, step.drafted, guess)} guessed "
+                                 "this; the target wrote the last token of the step instead",
+                                 html.escape(decode([step.drafted.tokens[n] for n in guess]))))
     reason = stop_reason(events)
     note = {"running": "…", "stopped": " ⏹ stopped", "eos": "", "max_new_tokens": " [token limit]"}.get(reason, "")
     body = "".join(parts) or f"<i>{html.escape(waiting_for(events))}</i>"

@@ -12,10 +12,10 @@ import html
 from typing import Mapping, Sequence
 
 from specextend.events import Event
-from specextend.metrics import committed_curve, phase_seconds, step_tokens_by_source, summarize
+from specextend.metrics import committed_curve, phase_seconds, summarize
 
 from .common import (
-    Spec, base_layout, color, draft_name, ending, has_draft, label, lookup_on, message_spec, short_label, title, with_lookup,
+    Spec, base_layout, by_source_html, color, ending, label, message_spec, short_label, title, with_lookup,
 )
 
 PHASE_COLORS = {
@@ -93,18 +93,6 @@ def throughput_spec(runs: Mapping[str, Sequence[Event]], at: tuple[str, float, i
     return {"data": data, "layout": layout}
 
 
-def _split(events: Sequence[Event]) -> str:
-    """A run's tokens per step by who proposed them (the draft, lookup, both, the target), under its total."""
-    if not (has_draft(events) or lookup_on(events)):
-        return ""
-    split = step_tokens_by_source(events)
-    parts = [f"{html.escape(draft_name(events))} {split['draft']:.2f}"] if has_draft(events) else []
-    parts += [f"lookup {split['lookup']:.2f}"] if lookup_on(events) else []
-    parts += [f"both {split['both']:.2f}"] if split["both"] else []
-    parts.append(f"target {split['target']:.2f}")
-    return f"<div class='se-muted'>{' · '.join(parts)}</div>"
-
-
 def throughput_html(runs: Mapping[str, Sequence[Event]], load: float | None = None) -> str:
     """A table of tokens, time and tokens/s per run, with the speedup against each reference that ran (the target
     alone, standard speculative decoding), and a note on how far one run's timings can be trusted. `load`: the
@@ -122,7 +110,7 @@ def throughput_html(runs: Mapping[str, Sequence[Event]], load: float | None = No
             f"<tr><td><span style='color:{color(method)}'>■</span> {html.escape(with_lookup(runs[method], label(method)))}</td>"
             f"<td>{html.escape(ending(runs[method]))}</td><td>{s.new_tokens}</td><td>{s.total_s:.2f} s</td>"
             f"<td><b>{s.e2e_tokens_per_s:.1f}</b></td><td>{s.decode_tokens_per_s:.1f}</td>"
-            f"<td>{s.mean_accepted:.2f}{_split(runs[method])}</td>{cells}</tr>"
+            f"<td>{s.mean_accepted:.2f}{by_source_html(runs[method])}</td>{cells}</tr>"
         )
     heads = "".join(f"<th>speedup vs {html.escape(label(r))}</th>" for r in references)
     note = ("Speedups are end to end (prefill included) from one run of each method on the same input; on a shared "
