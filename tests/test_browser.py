@@ -300,6 +300,8 @@ def test_the_step_control_moves_every_panel_through_a_replayed_trace(studio_url,
     assert before["columns"] == last - 1 and before["output"] != end["output"]
 
     assert not page.evaluate(DUPLICATE_IDS)  # no two elements share an id (a gradio Group repeats its own)
+    titles = page.evaluate("() => [...document.querySelectorAll('#output .se-target')].map(e => e.title)")
+    assert any(t.endswith(": the target's token") for t in titles), titles[:3]  # an apostrophe ended the attribute
     page.focus("#step-slider input[type=range]")
     page.keyboard.press("ArrowLeft")  # a key moves the slider, and every panel with it
     wait_for_step(page, last - 2)
