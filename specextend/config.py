@@ -19,6 +19,7 @@ SIGNAL_NAMES: tuple[str, ...] = ("paper", "calibrated", "default")
 PrefillKernel = Literal["fused", "eager"]
 VerifyKernel = Literal["hybrid", "onecall", "masked", "auto"]
 StepMode = Literal["auto", "eager", "static", "captured"]
+Bf16Prefill = Literal["auto", "on", "off"]
 
 
 MAX_DRAFT = 256  # the most draft tokens (and tree levels, branches, children) one step may have: a verification
@@ -259,8 +260,13 @@ class AttentionConfig:
     # decode-time forwards (steps.py): eager; static (fixed shapes, run eagerly); captured (fixed shapes replayed
     # as CUDA graphs); auto: captured on CUDA, eager elsewhere
     steps: StepMode = "eager"
+    # the target reads the prompt in bfloat16 when its dtype is float32: on; off; auto: where that measured faster on
+    # this machine (models.prefill_dtype). Decoding keeps the model's dtype; the KV cache is handed over in it
+    bf16_prefill: Bf16Prefill = "auto"
 
     def __post_init__(self) -> None:
+        if self.bf16_prefill not in ("auto", "on", "off"):
+            raise ValueError(f"bf16 prefill must be 'auto', 'on' or 'off', got {self.bf16_prefill!r}")
         if self.prefill not in ("fused", "eager"):
             raise ValueError(f"prefill kernel must be 'fused' or 'eager', got {self.prefill!r}")
         if self.verify not in ("hybrid", "onecall", "masked", "auto"):

@@ -82,7 +82,8 @@ def generate(
                       target_layers=pair.target.config.num_hidden_layers,
                       draft_layers=pair.draft.config.num_hidden_layers if config.uses_draft else 0,
                       device=str(pair.device), dtype=str(pair.dtype).replace("torch.", ""),
-                      draft_name=pair.draft_name if config.uses_draft else "")
+                      draft_name=pair.draft_name if config.uses_draft else "",
+                      prefill_dtype=str(target.prefill_dtype).replace("torch.", ""))
 
         # 1) prefill the target (fused kernel) and the draft (sliding window, per its policy)
         phase = clock()

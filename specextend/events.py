@@ -36,6 +36,7 @@ class Started:
     device: str
     dtype: str
     draft_name: str = "draft model"  # what proposes: "draft model", "EAGLE head" or "EAGLE-3 head" ("" for none)
+    prefill_dtype: str = ""  # the dtype the target read the prompt in ("": in `dtype`, as traces before it say)
 
     def __post_init__(self) -> None:  # the config as JSON gives it back, so a saved trace loads equal
         object.__setattr__(self, "config", json.loads(json.dumps(self.config)))

@@ -9,6 +9,7 @@ Knows models and devices; knows nothing of drafting, verification or retrieval.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from contextlib import contextmanager
@@ -35,6 +36,10 @@ SHARED_EMBEDDING = "shared_embedding"  # config key of a draft cut from its targ
 # CPU default: fp32. On the project's AVX2 machine (no native bf16) a bf16 forward of the 135M target ran
 # 4-5x slower than fp32 (README, "Exactness"); bf16 stays available with dtype="bfloat16".
 CPU_DTYPE = torch.float32
+PREFILL_ROWS = 512  # rows of the product prefill_dtype times: one CPU prefill block (target.prefill_block)
+FASTER = 0.8  # "auto" reads the prompt in bf16 where that took at most this share of the time in fp32
+# "auto" keeps a model smaller than this in fp32 untimed: it reads any prompt quickly, and fp32 keeps it exact
+MIN_PREFILL_PARAMS = 10_000_000
 
 
 @dataclass(frozen=True)
@@ -190,6 +195,53 @@ class SkinnyLinear(torch.nn.Linear):
         out = (self.weight @ x.reshape(rows, -1).T).T.reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
+
+
+def reduced_copy(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of `module` with its parameters cast to `dtype` (ties kept; buffers, such as the RoPE frequencies, and
+    hooks as they are). It shares no tensor with `module`: a bf16 prefill builds one and drops it when done."""
+    memo = {id(p): torch.nn.Parameter(p.detach().to(dtype), requires_grad=False) for p in module.parameters()}
+    return copy.deepcopy(module, memo)
+
+
+def choose_prefill_dtype(setting: str, dtype: torch.dtype, times: tuple[float, float] | None = None) -> torch.dtype:
+    """The dtype the target reads a prompt in: its own `dtype`, or bf16 where that is fp32 and `setting` is "on", or
+    "auto" and `times` (seconds of the same work in fp32, in bf16) say bf16 took at most FASTER of the fp32 time."""
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"bf16 prefill must be 'auto', 'on' or 'off', got {setting!r}")
+    if dtype != torch.float32 or setting == "off":
+        return dtype
+    if setting == "on":
+        return torch.bfloat16
+    if times is None:
+        raise ValueError("'auto' chooses by the measured times: pass them")
+    fp32_s, bf16_s = times
+    return torch.bfloat16 if bf16_s <= FASTER * fp32_s else dtype
+
+
+PREFILL_TIMES: dict[tuple, tuple[float, float]] = {}  # (device, MLP shapes) -> seconds in fp32, in bf16
+
+
+def prefill_dtype(model: PreTrainedModel, setting: str = "auto") -> torch.dtype:
+    """`choose_prefill_dtype` on this machine, as SkinnyLinear chooses its path: an fp32 model's first MLP block (the
+    products that make most of a prefill's work) is timed over PREFILL_ROWS rows in fp32 and in bf16, once per process
+    per device and shape, and the faster kept ("auto" leaves a model under MIN_PREFILL_PARAMS in fp32). On the project's Xeon with AMX the bundled target read 2.8K tokens in
+    4.8 s in fp32, 1.8 s in bf16; an AVX2 CPU without native bf16 runs bf16 products several times slower."""
+    dtype = next(model.parameters()).dtype
+    if setting != "auto" or dtype != torch.float32:
+        return choose_prefill_dtype(setting, dtype)
+    if sum(p.numel() for p in model.parameters()) < MIN_PREFILL_PARAMS:
+        return dtype
+    mlp = model.base_model.layers[0].mlp
+    weight = next(mlp.parameters())
+    key = (str(weight.device), tuple(tuple(p.shape) for p in mlp.parameters()))
+    if key not in PREFILL_TIMES:
+        x = torch.randn(1, PREFILL_ROWS, model.config.hidden_size, device=weight.device)
+        reduced, x16 = reduced_copy(mlp, torch.bfloat16), x.to(torch.bfloat16)
+        with torch.no_grad():
+            PREFILL_TIMES[key] = (attention.best_time(lambda: mlp(x), weight.device),
+                                  attention.best_time(lambda: reduced(x16), weight.device))
+    return choose_prefill_dtype(setting, dtype, PREFILL_TIMES[key])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -11,14 +11,16 @@ Knows the target model, its cache and its captures; knows nothing of drafting po
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Iterator
 
 import torch
 
 from .attention import AttentionPlan, Capture
+from .cache import KVCache
 from .config import GenerationConfig, RetrievalSignal
 from .drafting import DraftTree, tree_mask
-from .models import final_layer
+from .models import final_layer, forward, prefill_dtype, reduced_copy
 from .signal import QueryWindow, combine, head_scores, kv_heads_of
 from .steps import make_runner
 
@@ -140,12 +142,16 @@ class Target:
         self.capture = Capture(layers, streams) if layers or streams else None
         self.base = 0  # cache slots before the latest verified root
         self.shared_s: float | None = None  # a prefill copied from SharedPrefill: the seconds the original took
-        self.read: tuple | None = None  # (prompt, prefill kernel) once this target has read a whole prompt
+        self.read: tuple | None = None  # (prompt, prefill kernel, dtype) once this target has read a whole prompt
+        self.prefill_dtype = prefill_dtype(model, config.attention.bf16_prefill)  # what the prompt is read in
 
     def prefill(self, prompt: list[int], stop, shared: SharedPrefill | None = None) -> Iterator[int]:
         """Read the prompt in blocks; the last block's logits are kept for the first token. With `shared`, copy a
-        prefill of the same prompt instead (`self.shared_s` is then what it took)."""
-        key = (tuple(prompt), self.kernels.prefill)
+        prefill of the same prompt instead (`self.shared_s` is then what it took). In a prefill dtype other than the
+        model's (bf16 for an fp32 model, `models.prefill_dtype`), a copy of the model in that dtype reads the prompt
+        into a cache of its own, handed over in the model's dtype, as are the queries and streams it captured: decoding
+        then runs as after any prefill."""
+        key = (tuple(prompt), self.kernels.prefill, self.prefill_dtype)
         streams = self.features.streams if self.features is not None else ()
         if shared is not None and shared.serves(key, self.window, streams):
             self.cache.replace(shared.kv, shared.rope_positions)
@@ -158,17 +164,27 @@ class Target:
             return
         plan = AttentionPlan("prefill", self.kernels.prefill, capture=self.capture)
         size = prefill_block(self.runner.device)
+        dtype = self.runner.dtype
+        if self.prefill_dtype == dtype:
+            read = self.runner.forward
+        else:  # the copy carries the hooks that keep the streams
+            model, cache = reduced_copy(self.model, self.prefill_dtype), KVCache(len(self.cache.layers), len(prompt))
+            read = partial(forward, model, cache)
         for start in range(0, len(prompt), size):
             if stop is not None and stop.is_set():
                 return
             block = prompt[start : start + size]
             positions = torch.arange(start, start + len(block))
-            self.logits = self.runner.forward(block, positions, plan, 1)
+            self.logits = read(block, positions, plan, 1)
             if self.window is not None:
-                self.window.push(self.capture.queries, torch.arange(len(block)), positions)
+                queries = {layer: q.to(dtype) for layer, q in self.capture.queries.items()}
+                self.window.push(queries, torch.arange(len(block)), positions)
             if self.features is not None:
-                self.features.push(self.capture.hidden)
+                self.features.push({i: h.to(dtype) for i, h in self.capture.hidden.items()})
             yield start + len(block)
+        if self.prefill_dtype != dtype:  # one layer at a time in the model's dtype
+            kv = ((keys.to(dtype), values.to(dtype)) for keys, values in (layer.filled() for layer in cache.layers))
+            self.cache.replace(kv, cache.rope_positions)
         self.read = key
 
     def verify(self, root: int, tree: DraftTree) -> torch.Tensor:
