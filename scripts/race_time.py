@@ -1,9 +1,11 @@
 """Time the app's default race as a newcomer meets it: the first sample, the default task and knobs, the main
 method then the race, through the app's own Job on the bundled pair. Runs it with the target's prefill read
-by every method and with it shared (alternating), and prints each run's wall time and the time to the first
-token a user sees (the main run's first token).
+by every method and with it shared, and with each `--bf16-prefill` setting (alternating, after a warm-up of each),
+and prints each run's wall time, the time to the first token a user sees (the main run's first token) and the dtype
+the target read the prompt in.
 
     python -m scripts.race_time --repeats 1
+    python -m scripts.race_time --repeats 2 --sharing shared --bf16-prefill off,auto   # fp32 against the choice
 """
 
 from __future__ import annotations
@@ -11,20 +13,25 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 
 from app import documents
 from app.backend import real_factory
 from app.runner import Job, Knobs, build_config
 from app.settings import BUNDLED_PAIR
 from app.ui import DEFAULT_TASK
-from specextend.events import Prefilled
+from specextend.events import Prefilled, Started
 
 METHODS = ("specextend", "speculative", "autoregressive")  # the page's default method and race
 
 
-def race(loaded, prompt, shared: bool) -> dict:
+def race(loaded, prompt, shared: bool, bf16_prefill: str = "auto") -> dict:
     generate = loaded.for_click() if shared else loaded.generate
-    configs = lambda m, codec: build_config(m, Knobs(), codec.eos_ids, lookup=m == METHODS[0])  # noqa: E731
+
+    def configs(method, codec):
+        config = build_config(method, Knobs(), codec.eos_ids, lookup=method == METHODS[0])
+        return config.replace(attention=replace(config.attention, bf16_prefill=bf16_prefill))
+
     began = time.perf_counter()
     job = Job(METHODS, configs, lambda say: (loaded.codec, prompt, loaded.max_positions, generate)).start()
     first = None
@@ -33,22 +40,32 @@ def race(loaded, prompt, shared: bool) -> dict:
             first = time.perf_counter() - began
     if job.error:
         raise SystemExit(job.error)
-    return {"shared": shared, "wall_s": round(time.perf_counter() - began, 1), "first_token_s": round(first or 0.0, 1),
-            "prefill_s": {m: round(next(e.target_s for e in job.runs[m] if isinstance(e, Prefilled)), 1) for m in METHODS}}
+    main = job.runs[METHODS[0]]
+    return {"bf16_prefill": bf16_prefill, "prefill_dtype": next(e.prefill_dtype for e in main if isinstance(e, Started)),
+            "shared": shared, "wall_s": round(time.perf_counter() - began, 1), "first_token_s": round(first or 0.0, 1),
+            "prefill_s": {m: round(next(e.target_s for e in job.runs[m] if isinstance(e, Prefilled)), 1) for m in METHODS},
+            "same_output": len({job.runs[m][-1].token_ids for m in METHODS}) == 1}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--sharing", choices=("both", "shared", "unshared"), default="both",
+                   help="races with the target's prefill shared (as a click runs them), read by every method, or both")
+    p.add_argument("--bf16-prefill", default="auto", help="comma list of settings to alternate: auto, on, off")
     args = p.parse_args()
+    settings = [s.strip() for s in args.bf16_prefill.split(",") if s.strip()]
+    sharing = {"both": (False, True), "shared": (True,), "unshared": (False,)}[args.sharing]
     loaded = real_factory(BUNDLED_PAIR, lambda message: None)
     name = documents.samples()[0][1]
     prompt = loaded.codec.prompt(documents.sample_text(name), DEFAULT_TASK)
     print(f"{name}: {len(prompt.ids):,} prompt tokens", flush=True)
-    race(loaded, prompt, True)  # warm-up (kernel choices, first allocations)
+    for setting in settings:  # warm-up (kernel choices, first allocations)
+        race(loaded, prompt, True, setting)
     for _ in range(args.repeats):
-        for shared in (False, True):
-            print(json.dumps(race(loaded, prompt, shared)), flush=True)
+        for shared in sharing:
+            for setting in settings:
+                print(json.dumps(race(loaded, prompt, shared, setting)), flush=True)
 
 
 if __name__ == "__main__":

@@ -160,3 +160,14 @@ def test_a_figure_that_cannot_be_drawn_is_reported_and_the_numbers_are_kept(tmp_
     assert not list(tmp_path.glob("*.html"))
     err = capsys.readouterr().err
     assert "a figure went wrong" in err and "bench.json" in err
+
+
+def test_the_engines_methods_may_read_the_prompt_in_bf16(tmp_path, capsys):
+    """--bf16-prefill on: the engine's methods read the prompt in bf16 and are checked against each other, the
+    transformers peer (fp32) against itself; the report says what the prompt was read in."""
+    rc = bench.main(["--quick", "--out", str(tmp_path), "--methods", "autoregressive,speculative,hf_assisted",
+                     "--skip", "sweep,needle", "--bf16-prefill", "on"])
+    assert rc == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["prefill_dtype"] == "bfloat16" and report["args"]["bf16_prefill"] == "on"
+    assert {c["method"] for c in report["cells"]} == {"autoregressive", "speculative", "hf_assisted"}

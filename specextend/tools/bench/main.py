@@ -15,10 +15,10 @@ from pathlib import Path
 
 from .. import bundled, prompting
 from ...config import DraftConfig, RetrievalConfig
-from ...models import ModelPair, load_pair, make_pair, read_tokenizer
+from ...models import ModelPair, load_pair, make_pair, prefill_dtype, read_tokenizer
 from ..cli import add_lookup_arguments, add_signal_arguments, lookup_from, signal_from
 from ..kernel_bench import llama
-from .inputs import GreedyMismatch, METHODS, QUICK, QUICK_SHAPE, aliases, cut_text, make_inputs, method_configs
+from .inputs import GreedyMismatch, METHODS, PEERS, QUICK, QUICK_SHAPE, aliases, cut_text, make_inputs, method_configs
 from .report import plain, table, write_outputs
 from .runs import cells, check_same, goals, run_engine, run_method
 from .sections import (NeedleSection, NeedleSummary, needle_case, needle_signals, needle_texts, sweep_configs,
@@ -42,6 +42,12 @@ def load(args) -> tuple[ModelPair, object, tuple[int, ...]]:
     return pair, tokenizer, prompting.stop_ids(tokenizer, pair.target)
 
 
+def reader(method: str, bf16_prefill: str) -> str:
+    """Which prompt reading a method's greedy output is compared within: one for all, unless the engine's methods may
+    read the prompt in bf16 and transformers' peers (PEERS) read it in fp32."""
+    return "transformers" if method in PEERS and bf16_prefill != "off" else "engine"
+
+
 def machine(pair: ModelPair) -> dict:
     import transformers
 
@@ -58,7 +64,8 @@ def run(args, progress) -> dict:
     retrieval = replace(QUICK["retrieval"] if args.quick else RetrievalConfig(), signal=signal_from(args))
     draft = DraftConfig(shape=args.draft_shape, k=args.k)
     base = dict(max_new_tokens=args.max_new_tokens, eos_token_ids=eos, draft=draft, retrieval=retrieval)
-    configs = method_configs(base, args.prefill, lookup_from(args, None))
+    configs = {name: config and config.replace(attention=replace(config.attention, bf16_prefill=args.bf16_prefill))
+               for name, config in method_configs(base, args.prefill, lookup_from(args, None)).items()}
     names = [m for m in METHODS if m in args.methods]
     same_as = {k: v for k, v in aliases(configs).items() if k in names and v in names}
     measured = [m for m in names if m not in same_as]
@@ -68,7 +75,8 @@ def run(args, progress) -> dict:
     sweeps = sweep_configs(retrieval) if "sweep" not in args.skip and inputs else {}
     n_needles = args.needles if "needle" not in args.skip else 0
     report = {"machine": machine(pair), "args": {k: sorted(v) if isinstance(v, set) else v for k, v in vars(args).items()},
-              "methods": names, "retrieval": asdict(retrieval), "draft": asdict(draft)}
+              "methods": names, "retrieval": asdict(retrieval), "draft": asdict(draft),
+              "prefill_dtype": str(prefill_dtype(pair.target, args.bf16_prefill)).replace("torch.", "")}
     bar = progress(total=(len(measured) * (1 + len(inputs) * args.repeats) if inputs else 0) + len(sweeps) * args.repeats
                    + n_needles)
 
@@ -86,7 +94,7 @@ def run(args, progress) -> dict:
             for name in measured[shift:] + measured[:shift]:
                 bar.set_description(f"{len(item['prompt'])} tok {item['document'][:16]} {name}")
                 result = run_method(pair, item["prompt"], name, configs[name], args.max_new_tokens, eos)
-                key = (item["document"], item["length"])
+                key = (item["document"], item["length"], reader(name, args.bf16_prefill))
                 if key in references:
                     check_same(references[key], name, result["token_ids"], where)
                 else:
@@ -100,9 +108,9 @@ def run(args, progress) -> dict:
 
     if sweeps:  # retrieval parameters: SpecExtend on the longest first input (its default row comes from the grid)
         item = max(inputs, key=lambda i: i["length"])
-        key = (item["document"], item["length"])
+        key = (item["document"], item["length"], "engine")
         report["sweep_input"] = f"{item['document']}, {len(item['prompt'])} tokens"
-        default = [r for r in runs if r["method"] == "specextend" and (r["document"], r["length"]) == key]
+        default = [r for r in runs if r["method"] == "specextend" and (r["document"], r["length"]) == key[:2]]
         label = f"default (chunk {retrieval.chunk_size}, top-k {retrieval.top_k}, every {retrieval.retrieve_every})"
         sweep = [sweep_row(label, retrieval, default)]
         for setting, config in sweeps.items():
@@ -154,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--instruction", default=prompting.DEFAULT_INSTRUCTION)
     p.add_argument("--prefill", choices=("fused", "eager"), default="fused",
                    help="the baselines' prefill kernel: fused (SDPA, transformers' default) or eager (the paper's)")
+    p.add_argument("--bf16-prefill", choices=("off", "auto", "on"), default="off",
+                   help="the engine's methods read the prompt in bf16 (an fp32 target): off keeps every method, and "
+                        "transformers' peers, on one fp32 reading, so greedy outputs are compared across all of them; "
+                        "auto or on (what the app does by default: auto) compares the engine's methods with each other "
+                        "and the peers with each other")
     p.add_argument("--draft-shape", choices=("chain", "tree"), default=DraftConfig().shape)
     p.add_argument("--k", type=int, default=DraftConfig().k, help="chain: draft tokens per step")
     add_lookup_arguments(p)
