@@ -51,10 +51,10 @@ def whole(name: str, value: float | int | None) -> int:
 
 # the engine's field names, as the knobs are labelled on the page (the engine's refusals name its fields)
 USER_WORDS = (("tree max_depth", "tree depth"), ("tree node_budget", "tree node budget"),
-              ("max_new_tokens", "max new tokens"), ("chunk_size", "chunk size"), ("top_k=", "top-k chunks kept = "), ("top_k", "top-k chunks kept"),
+              ("max_new_tokens", "max new tokens"), ("chunk_size", "chunk size"),
+              ("top_k=", "top-k chunks kept = "), ("top_k", "top-k chunks kept"),
               ("retrieve_every", "retrieve every (steps)"), ("sink_tokens=", "attention-sink tokens = "),
-              ("sink_tokens", "attention-sink tokens"),
-              (" or a RetrievalSignal", ""))
+              ("sink_tokens", "attention-sink tokens"), (" or a RetrievalSignal", ""))
 
 
 def in_user_words(message: str) -> str:
