@@ -63,7 +63,7 @@ class Loaded:
     generate: Generate
     max_positions: int
     device: str
-    dtype: str
+    dtype: str  # the models' dtype, and the one prompts are read in where that differs (bf16_prefill)
     heads: Callable[[list[int], tuple[int, int]], Any] | None = None
     race: Callable[[], Generate] | None = None  # a generate whose requests on one prompt share the target's prefill
     draft_positions: int | None = None  # the draft's own context, where it is shorter than the target's
@@ -118,13 +118,16 @@ def real_factory(choice: PairChoice, progress: Progress, dtype: str = "auto") ->
 def serve(choice: PairChoice, tokenizer: Any, pair) -> Loaded:
     """A loaded pair and its target's tokenizer, as the app runs them."""
     from specextend.engine import generate
+    from specextend.models import prefill_dtype
     from specextend.target import SharedPrefill
     from specextend.steps import forget
 
     codec = Codec(tokenizer, prompting.stop_ids(tokenizer, pair.target))  # a chat model stops at its end of turn too
     shorter = pair.draft_positions if pair.draft_positions is not None and pair.draft_positions < pair.max_positions else None
+    # the runs' default bf16_prefill ("auto"), timed here once rather than in the first run
+    dtype, reads = (str(d).replace("torch.", "") for d in (pair.dtype, prefill_dtype(pair.target)))
     return Loaded(choice, codec, partial(generate, pair), pair.max_positions, str(pair.device),
-                  str(pair.dtype).replace("torch.", ""), partial(head_picture, pair),
+                  dtype if reads == dtype else f"{dtype}, prompts read in {reads}", partial(head_picture, pair),
                   lambda: partial(generate, pair, shared=SharedPrefill()), shorter,
                   partial(forget, tuple(weakref.ref(m) for m in (pair.target, pair.draft) if m is not None)))
 

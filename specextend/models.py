@@ -197,11 +197,27 @@ class SkinnyLinear(torch.nn.Linear):
 
 
 
-def reduced_copy(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+def reduced_copy(module: torch.nn.Module, dtype: torch.dtype, keep: torch.nn.Module | None = None) -> torch.nn.Module:
     """A copy of `module` with its parameters cast to `dtype` (ties kept; buffers, such as the RoPE frequencies, and
-    hooks as they are). It shares no tensor with `module`: a bf16 prefill builds one and drops it when done."""
-    memo = {id(p): torch.nn.Parameter(p.detach().to(dtype), requires_grad=False) for p in module.parameters()}
+    hooks as they are), sharing no tensor with it but `keep`: a submodule left as it is and fed in its own dtype. A bf16
+    prefill builds one (keeping the output layer, whose logits in bf16 would tie the top tokens far more often: bf16
+    steps 0.125 apart near 30) and drops it when done."""
+    memo: dict[int, Any] = {id(p): torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)
+                            for m in module.modules() if m is not keep for p in m.parameters(recurse=False)}
+    if keep is not None:
+        memo[id(keep)] = InOwnDtype(keep)
     return copy.deepcopy(module, memo)
+
+
+class InOwnDtype(torch.nn.Module):
+    """`module`, its input cast to its parameters' dtype."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x.to(next(self.module.parameters()).dtype))
 
 
 def choose_prefill_dtype(setting: str, dtype: torch.dtype, times: tuple[float, float] | None = None) -> torch.dtype:
@@ -225,8 +241,9 @@ PREFILL_TIMES: dict[tuple, tuple[float, float]] = {}  # (device, MLP shapes) -> 
 def prefill_dtype(model: PreTrainedModel, setting: str = "auto") -> torch.dtype:
     """`choose_prefill_dtype` on this machine, as SkinnyLinear chooses its path: an fp32 model's first MLP block (the
     products that make most of a prefill's work) is timed over PREFILL_ROWS rows in fp32 and in bf16, once per process
-    per device and shape, and the faster kept ("auto" leaves a model under MIN_PREFILL_PARAMS in fp32). On the project's Xeon with AMX the bundled target read 2.8K tokens in
-    4.8 s in fp32, 1.8 s in bf16; an AVX2 CPU without native bf16 runs bf16 products several times slower."""
+    per device and shape, and the faster kept ("auto" leaves a model under MIN_PREFILL_PARAMS in fp32). On the
+    project's Xeon with AMX the bundled target read 2.8K tokens in 4.8 s in fp32, 1.8 s in bf16; an AVX2 CPU without
+    native bf16 runs bf16 products several times slower."""
     dtype = next(model.parameters()).dtype
     if setting != "auto" or dtype != torch.float32:
         return choose_prefill_dtype(setting, dtype)

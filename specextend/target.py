@@ -167,8 +167,9 @@ class Target:
         dtype = self.runner.dtype
         if self.prefill_dtype == dtype:
             read = self.runner.forward
-        else:  # the copy carries the hooks that keep the streams
-            model, cache = reduced_copy(self.model, self.prefill_dtype), KVCache(len(self.cache.layers), len(prompt))
+        else:  # the copy carries the hooks that keep the streams; the logits come out of the model's own output layer
+            model = reduced_copy(self.model, self.prefill_dtype, keep=self.model.get_output_embeddings())
+            cache = KVCache(len(self.cache.layers), len(prompt))
             read = partial(forward, model, cache)
         for start in range(0, len(prompt), size):
             if stop is not None and stop.is_set():

@@ -1,8 +1,10 @@
 """The engine on the bundled SmolLM2-135M-Instruct target with each of its bundled drafts, the EAGLE-3 head and the
 distilled draft model (fp32, CPU): greedy output equals the target's own greedy output on a short real prompt, for
-every method."""
+every method, with the prompt read in fp32; read in bf16, every method agrees with the target alone over that reading."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
@@ -35,5 +37,24 @@ def test_real_pair_is_lossless_for_every_method(real):
     for method, shape in [("autoregressive", "chain"), ("speculative", "chain"), ("streaming", "chain"),
                           ("specextend", "chain"), ("specextend", "tree")]:
         config = preset(method, max_new_tokens=NEW, eos_token_ids=eos, retrieval=retrieval, draft=DraftConfig(shape=shape))
-        trace = list(generate(pair, prompt, config))
+        trace = list(generate(pair, prompt, fp32_prefill(config)))
         assert list(trace[-1].token_ids) == ref, (method, shape)
+
+
+def test_real_pair_reading_the_prompt_in_bf16_agrees_across_methods(real):
+    """Read in bf16 (what "auto" chooses on a CPU where it is faster), the prompt gives the target alone another
+    reading to continue from; every method continues exactly as the target alone does from that same reading."""
+    pair, prompt, eos = real
+    retrieval = RetrievalConfig(chunk_size=16, top_k=6, retrieve_every=2, prefill_window=64)
+    outputs = {}
+    for method, shape in [("autoregressive", "chain"), ("specextend", "chain"), ("specextend", "tree")]:
+        config = preset(method, max_new_tokens=NEW, eos_token_ids=eos, retrieval=retrieval, draft=DraftConfig(shape=shape))
+        trace = list(generate(pair, prompt, config.replace(attention=replace(config.attention, bf16_prefill="on"))))
+        assert trace[0].prefill_dtype == "bfloat16"
+        outputs[(method, shape)] = trace[-1].token_ids
+    assert len(set(outputs.values())) == 1, outputs
+
+
+def fp32_prefill(config):
+    """The prompt read in the model's own fp32, as reference_greedy reads it."""
+    return config.replace(attention=replace(config.attention, bf16_prefill="off"))
