@@ -2,8 +2,8 @@
 
 Loads Hugging Face causal LMs (the families `compat` accepts, decided from both configs and tokenizers before any
 weights load) from a local directory, a hub id (only when the operator allows the hub), or a directory holding one
-GGUF file. Chooses device, dtype and attention backend; keeps a draft to the ids the pair's tokenizer defines.
-Never trusts remote code.
+GGUF file. Chooses device, dtype and attention backend, and by measurement the dtype the target reads a prompt in;
+keeps a draft to the ids the pair's tokenizer defines. Never trusts remote code.
 Knows models and devices; knows nothing of drafting, verification or retrieval.
 """
 
