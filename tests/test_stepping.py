@@ -15,7 +15,7 @@ from specextend.config import DraftConfig, RetrievalConfig
 from specextend.events import Drafted, Finished, Prefilled, Retrieved, Verified
 from test_visualizers import decode, recorded_traces, trace
 from visualizers import acceptance_spec, output_html, retrieval_spec
-from visualizers.common import guessed
+from visualizers.common import guessed_nodes
 from visualizers.retrieval import changed, kept_chunks
 from visualizers.steps import as_of, last_step, moment, step_html
 
@@ -81,7 +81,8 @@ def test_the_state_at_a_step_matches_the_events_up_to_it(case, where):
     guess = ()
     if s > 0 and verified and verified[-1].step == s:
         drafts = [d for d in shown if isinstance(d, Drafted) and d.step == s]
-        guess = guessed(drafts[0] if drafts else None, verified[-1])
+        drafted = drafts[0] if drafts else None
+        guess = tuple(drafted.tokens[n] for n in guessed_nodes(drafted, verified[-1]))
     assert dec(committed) + dec(list(guess)) in text
     seconds, tokens = moment(events, s)
     assert tokens == (verified[-1].total_new if verified else 1)

@@ -162,11 +162,6 @@ def guessed_nodes(drafted: Drafted | None, verified: Verified) -> tuple[int, ...
     return tuple(out)
 
 
-def guessed(drafted: Drafted | None, verified: Verified) -> tuple[int, ...]:
-    """`guessed_nodes` as token ids."""
-    return tuple(drafted.tokens[n] for n in guessed_nodes(drafted, verified))
-
-
 def label(method: str) -> str:
     return RUN_STYLES[method][1] if method in RUN_STYLES else method
 
