@@ -83,6 +83,15 @@ def head_picture(pair, ids: list[int], span: tuple[int, int]):
     return map_heads(pair, ids, span, {f"{chosen.name} signal": chosen, "paper's signal": PAPER})
 
 
+HEAD_PICTURES = 8  # layer x head pictures a pair keeps, by prompt and span: needle runs on one input draw it once
+
+
+def head_pictures(pair) -> Callable[[list[int], tuple[int, int]], Any]:
+    """`head_picture` for `pair`, the last HEAD_PICTURES kept by prompt and span (each costs a prefill)."""
+    kept = lru_cache(maxsize=HEAD_PICTURES)(lambda ids, span: head_picture(pair, list(ids), span))
+    return lambda ids, span: kept(tuple(ids), tuple(span))
+
+
 class EngineFactory(Protocol):
     """Loads a pair on request; reports what it is doing through `progress` (it can take minutes)."""
 
@@ -127,7 +136,7 @@ def serve(choice: PairChoice, tokenizer: Any, pair) -> Loaded:
     # the runs' default bf16_prefill ("auto"), timed here once rather than in the first run
     dtype, reads = (str(d).replace("torch.", "") for d in (pair.dtype, prefill_dtype(pair.target)))
     return Loaded(choice, codec, partial(generate, pair), pair.max_positions, str(pair.device),
-                  dtype if reads == dtype else f"{dtype}, prompts read in {reads}", partial(head_picture, pair),
+                  dtype if reads == dtype else f"{dtype}, prompts read in {reads}", head_pictures(pair),
                   lambda: partial(generate, pair, shared=SharedPrefill()), shorter,
                   partial(forget, tuple(weakref.ref(m) for m in (pair.target, pair.draft) if m is not None)))
 

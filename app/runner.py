@@ -6,12 +6,16 @@ Knows the engine's contract and events; knows nothing of gradio or figures.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import logging
 import math
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from functools import lru_cache
+from typing import Callable, Iterable, Iterator, Sequence
 
 from specextend.config import DraftConfig, GenerationConfig, LookupConfig, RetrievalConfig, preset
 from specextend.events import Event, Finished, Prefilled, Prefilling, Started, Verified
@@ -127,20 +131,7 @@ class Job:
 
     def _work(self) -> None:
         try:
-            self.codec, self.prompt, limit, generate = self.prepare(self.say)
-            for method in self.methods:
-                if self.stop_event.is_set():
-                    break
-                config = self.configs(method, self.codec)
-                if len(self.prompt.ids) + config.max_new_tokens > limit:
-                    raise ValueError(
-                        f"The prompt is {len(self.prompt.ids):,} tokens; with {config.max_new_tokens} new tokens that "
-                        f"exceeds the model's limit of {limit:,} positions. Shorten the document or ask for fewer tokens."
-                    )
-                self.runs[method] = events = []
-                for event in generate(self.prompt.ids, config, self.stop_event):
-                    events.append(event)
-                    self.status = describe(method, event)
+            self._run()
         except ValueError as exc:  # the engine's and our own refusals carry a message for the user
             self.error = str(exc)
         except Exception as exc:  # a thread boundary: report it in the UI rather than lose it
@@ -149,10 +140,81 @@ class Job:
         finally:
             self.ended = time.perf_counter()
             self.done.set()
+        release_memory()  # the run's caches and prefill copies went with _run's frame: hand their pages back
+
+    def _run(self) -> None:
+        self.codec, self.prompt, limit, generate = self.prepare(self.say)
+        for method in self.methods:
+            if self.stop_event.is_set():
+                break
+            config = self.configs(method, self.codec)
+            if len(self.prompt.ids) + config.max_new_tokens > limit:
+                raise ValueError(
+                    f"The prompt is {len(self.prompt.ids):,} tokens; with {config.max_new_tokens} new tokens that "
+                    f"exceeds the model's limit of {limit:,} positions. Shorten the document or ask for fewer tokens."
+                )
+            self.runs[method] = events = []
+            for event in generate(self.prompt.ids, config, self.stop_event):
+                events.append(event)
+                self.status = describe(method, event)
 
     def snapshot(self) -> dict[str, list[Event]]:
         """A copy of the runs so far, safe to read while the thread appends."""
         return {m: list(ev) for m, ev in list(self.runs.items())}
+
+
+@lru_cache(maxsize=1)
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, where the C library has one."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return None
+
+
+def release_memory() -> None:
+    """After a run: collect what it left in reference cycles and hand the freed heap pages back to the system. glibc
+    keeps them otherwise, and the app's resident memory grew with every run's peak (docs/APP.md, "Memory")."""
+    gc.collect()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@dataclass(frozen=True)
+class Clock:
+    """When a finished job began and ended: all the queue's estimate reads of it."""
+
+    began: float
+    ended: float
+    done: threading.Event
+
+
+class Recent:
+    """The last `size` jobs, for the queue's estimate: a finished job is kept as its Clock, not with its runs and
+    prompt (those stay with the session that shows them, and go with it)."""
+
+    def __init__(self, size: int) -> None:
+        self._jobs: deque[Job | Clock] = deque(maxlen=size)
+        self._lock = threading.Lock()
+
+    def append(self, job: Job) -> None:
+        with self._lock:
+            self._jobs.append(job)
+            self._sweep()
+
+    def __iter__(self) -> Iterator[Job | Clock]:
+        with self._lock:
+            self._sweep()
+            return iter(list(self._jobs))
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def _sweep(self) -> None:
+        for i, job in enumerate(self._jobs):
+            if isinstance(job, Job) and job.done.is_set():
+                self._jobs[i] = Clock(job.began, job.ended, job.done)
 
 
 def describe(method: str, event: Event) -> str:

@@ -11,7 +11,6 @@ import logging
 import threading
 import tempfile
 import time
-from collections import deque
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -31,7 +30,7 @@ from . import documents
 from .backend import EngineFactory, Loaded, PairCache, real_factory
 from .documents import DocumentError
 from .panels import machine_load, main_view, needle_view, status_html, step_view
-from .runner import Job, Knobs, RedrawMeter, build_config, replay, whole
+from .runner import Job, Knobs, Recent, RedrawMeter, build_config, replay, whole
 from .settings import Settings
 from .trace import TraceError, dumps, loads
 
@@ -176,7 +175,7 @@ class Studio:
         self.pairs = PairCache(factory)
         self.trace_dir = Path(tempfile.mkdtemp(prefix="specextend-traces-"))
         self._exports, self._exported = threading.Lock(), itertools.count(1)
-        self.generations: deque[Job] = deque(maxlen=64)  # recent generation jobs, for the waiting user's estimate
+        self.generations = Recent(64)  # recent generation jobs' clocks, for the waiting user's estimate
 
     # --- the queue -------------------------------------------------------------------------------
     def queued(self, state: SessionState | None = None) -> str:

@@ -1,0 +1,89 @@
+"""What the app keeps after a run: a finished job hands the memory it freed back to the system, the queue's estimate
+keeps when jobs began and ended but not the jobs themselves, and the needle tab's layer x head picture is drawn once
+per prompt and span. No model: the real engine's soak is tests/test_soak_real.py."""
+
+from __future__ import annotations
+
+import gc
+import re
+import threading
+import time
+import weakref
+
+import pytest
+
+from app import Settings
+from app.backend import HEAD_PICTURES, head_pictures
+from app.runner import Job, _malloc_trim
+from fixtures.fake_engine import fake_factory
+
+
+def rss_mb() -> float:
+    """This process's resident memory, from /proc."""
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1)) / 1024
+
+
+def finished(prepare) -> Job:
+    """A job with no methods to run, after `prepare`, once its thread has returned."""
+    job = Job([], None, prepare).start()
+    assert job.done.wait(30)
+    deadline = time.monotonic() + 30
+    while any(t.name == "specextend-job" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return job
+
+
+@pytest.mark.skipif(_malloc_trim() is None, reason="the C library has no malloc_trim (not glibc)")
+def test_a_finished_job_hands_the_memory_it_freed_back():
+    """A run that allocated 400 MB in small blocks and freed them, while a later allocation still sits above them (as
+    a run's last allocations outlive it), leaves resident memory near where it began: glibc alone keeps those pages."""
+    pinned: list[bytearray] = []
+    peak: list[float] = []
+
+    def prepare(say):
+        blocks = [bytearray(64 * 1024) for _ in range(6400)]  # under glibc's mmap threshold: heap pages, touched
+        pinned.append(bytearray(64 * 1024))  # above them: the heap cannot shrink from its top
+        peak.append(rss_mb())
+        del blocks
+        return None, None, 0, None
+
+    before = rss_mb()
+    finished(prepare)
+    grown = peak[0] - before
+    assert grown > 300, grown
+    assert rss_mb() - before < 0.25 * grown, (before, peak[0], rss_mb())
+
+
+def test_the_queue_estimate_keeps_when_jobs_ran_not_the_jobs():
+    """Recent jobs feed the waiting user's estimate with their times alone: once its session lets a finished job go,
+    nothing of it (its runs, its prompt) is kept, and the estimate still counts how long it took."""
+    from app.ui import Studio
+
+    studio = Studio(fake_factory(), Settings(concurrency=1))
+    job = finished(lambda say: (time.sleep(0.05), (None, None, 0, None))[1])
+    job.began, job.ended = job.ended - 40.0, job.ended  # it took 40 s
+    studio.generations.append(job)
+    gone = weakref.ref(job)
+    del job
+    gc.collect()
+    assert gone() is None
+    running = Job([], None, None, began=time.perf_counter() - 10)
+    studio.generations.append(running)
+    status = studio.queued()
+    assert "1 run(s) in progress" in status and "about 40 s" in status and "free in about 30 s" in status
+
+
+def test_the_layer_by_head_picture_is_drawn_once_per_prompt_and_span(monkeypatch):
+    """The needle tab's picture costs a prefill: a pair draws it once for a prompt and span, and keeps the last
+    HEAD_PICTURES of them."""
+    drawn = []
+    monkeypatch.setattr("app.backend.head_picture", lambda pair, ids, span: drawn.append((tuple(ids), span)) or len(drawn))
+    picture = head_pictures(object())
+    assert picture([1, 2, 3], (0, 2)) == picture([1, 2, 3], (0, 2)) == 1
+    assert picture([1, 2, 3], (1, 2)) == 2 and picture([1, 2, 4], (0, 2)) == 3
+    assert drawn == [((1, 2, 3), (0, 2)), ((1, 2, 3), (1, 2)), ((1, 2, 4), (0, 2))]
+    for n in range(HEAD_PICTURES):
+        picture([n], (0, 1))
+    picture([1, 2, 3], (0, 2))  # pushed out by the newer ones: drawn again
+    assert len(drawn) == 3 + HEAD_PICTURES + 1
