@@ -23,6 +23,9 @@ Progress = Callable[[str], None]
 Generate = Callable[[list[int], GenerationConfig, "threading.Event | None"], Iterator[Event]]
 
 
+DECODED = 8192  # decoded texts a codec keeps: a long document's chunks and a run's stretches, ~1.6 KB each
+
+
 class Codec:
     """The target's tokenizer as the app uses it: chat prompt in, text out."""
 
@@ -31,7 +34,7 @@ class Codec:
         `prompting.stop_ids`); the tokenizer's end of text alone when not given."""
         self.tokenizer = tokenizer
         self.eos_ids: tuple[int, ...] = eos_ids if eos_ids is not None else prompting.stop_ids(tokenizer)
-        self._decode = lru_cache(maxsize=65536)(self._decode_ids)
+        self._decode = lru_cache(maxsize=DECODED)(self._decode_ids)
 
     def _decode_ids(self, ids: tuple[int, ...], skip_special: bool = False) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)

@@ -87,3 +87,20 @@ def test_the_layer_by_head_picture_is_drawn_once_per_prompt_and_span(monkeypatch
         picture([n], (0, 1))
     picture([1, 2, 3], (0, 2))  # pushed out by the newer ones: drawn again
     assert len(drawn) == 3 + HEAD_PICTURES + 1
+
+
+def test_a_codec_keeps_a_bounded_number_of_decoded_texts():
+    """The panels decode the same chunks at every redraw, so texts are kept, but only the last DECODED of them: a
+    server that runs for days does not keep every text it ever showed."""
+    from types import SimpleNamespace
+
+    from app.backend import DECODED, Codec
+
+    calls = []
+    codec = Codec(SimpleNamespace(decode=lambda ids, skip_special_tokens: calls.append(ids) or str(ids)), eos_ids=(0,))
+    for n in range(DECODED + 1):
+        assert codec.decode([n, n + 1]) == str([n, n + 1])
+    codec.decode([DECODED, DECODED + 1])  # the newest: kept
+    assert len(calls) == DECODED + 1
+    codec.decode([0, 1])  # the oldest: let go, decoded again
+    assert len(calls) == DECODED + 2
