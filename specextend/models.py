@@ -36,7 +36,10 @@ SHARED_EMBEDDING = "shared_embedding"  # config key of a draft cut from its targ
 # CPU default: fp32. On the project's AVX2 machine (no native bf16) a bf16 forward of the 135M target ran
 # 4-5x slower than fp32 (README, "Exactness"); bf16 stays available with dtype="bfloat16".
 CPU_DTYPE = torch.float32
-PREFILL_ROWS = 512  # rows of the product prefill_dtype times: one CPU prefill block (target.prefill_block)
+# rows of the product prefill_dtype times. On the project's busy 2-core AMX machine the bundled target's first MLP took
+# 0.7-0.83 of its fp32 time in bf16 over 512 rows (an OpenMP-bound borderline) but a steady 0.37-0.39 over 2048 rows,
+# near what a whole prefill gains (0.37-0.45); timing 2048 rows costs ~0.6 s once per process
+PREFILL_ROWS = 2048
 FASTER = 0.8  # "auto" reads the prompt in bf16 where that took at most this share of the time in fp32
 # "auto" keeps a model smaller than this in fp32 untimed: it reads any prompt quickly, and fp32 keeps it exact
 MIN_PREFILL_PARAMS = 10_000_000
