@@ -17,6 +17,7 @@ from visualizers import (
 )
 from visualizers.common import label, of, stop_reason
 from visualizers.steps import as_of, moment
+from visualizers.text import prompt_reading
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,8 @@ def exactness(runs: Mapping[str, Sequence[Event]], primary: str, decode: Decode)
                 "the target's own greedy output.</div>")
     if stop_reason(ours) == "running" or stop_reason(reference) == "running":
         return "<div class='se-muted'>Exactness: waiting for the target-alone run to finish…</div>"
-    return exactness_html(new_tokens(ours), new_tokens(reference), decode, label(primary))
+    began = [next(iter(of(events, Started)), None) for events in (ours, reference)]
+    return exactness_html(new_tokens(ours), new_tokens(reference), decode, label(primary), prompt_reading(*began))
 
 
 def main_view(runs: Mapping[str, Sequence[Event]], primary: str, decode: Decode, charts: bool = True,

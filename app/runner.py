@@ -221,7 +221,8 @@ def describe(method: str, event: Event) -> str:
     """One line on what a run is doing, from its latest event."""
     name = label(method)
     if isinstance(event, Started):
-        return f"{name}: started on {event.device} ({event.dtype}), reading {len(event.prompt_ids):,} prompt tokens"
+        read = f"; the prompt read in {event.prefill_dtype}" if event.prefill_dtype not in ("", event.dtype) else ""
+        return f"{name}: started on {event.device} ({event.dtype}{read}), reading {len(event.prompt_ids):,} prompt tokens"
     if isinstance(event, Prefilling):
         return f"{name}: prefill of the {event.model}, {event.done:,} of {event.total:,} tokens read"
     if isinstance(event, Prefilled) and event.shared:

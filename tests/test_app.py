@@ -625,3 +625,12 @@ def test_the_from_python_example_in_the_docs_runs_as_written(server, monkeypatch
     assert "✔ Exact" in scope["exactness"] and len(scope["charts"]) == 4
     runs, _, _ = loads(Path(file_path(scope["trace"])).read_text())
     assert list(runs) == ["specextend", "autoregressive"]
+
+
+def test_the_status_says_what_the_prompt_is_read_in():
+    from app.runner import describe
+    from specextend.events import Started
+
+    began = Started(0.0, 0.0, "specextend", (1, 2, 3), {}, 30, 2, "cpu", "float32", prefill_dtype="bfloat16")
+    assert "started on cpu (float32; the prompt read in bfloat16), reading 3 prompt tokens" in describe("specextend", began)
+    assert "(float32)" in describe("specextend", Started(0.0, 0.0, "specextend", (1,), {}, 30, 2, "cpu", "float32"))

@@ -323,3 +323,22 @@ def test_an_empty_output_says_what_it_waits_for():
     assert "reading 7,575 prompt tokens" in waiting_for([started])
     reading = [started, Prefilling(4.1, 4.0, "target", 2048, 7575)]
     assert "the target has read 2,048 of 7,575 prompt tokens (4 s so far)" in output_html(reading, str)
+
+
+def test_the_exactness_line_says_what_the_runs_continued_from():
+    """A race's runs share one reading of the prompt; when it was read in bfloat16 (which can change the target's own
+    answer against a float32 reading) the line says so, and runs that read it differently are told apart."""
+    from specextend.events import Started
+    from visualizers.text import prompt_reading
+
+    def began(dtype: str, prefill: str) -> Started:
+        return Started(0.0, 0.0, "specextend", (1, 2), {}, 30, 2, "cpu", dtype, prefill_dtype=prefill)
+
+    shared = prompt_reading(began("float32", "bfloat16"), began("float32", "bfloat16"))
+    assert shared == "Both continued from a reading of the prompt in bfloat16; decoding in float32."
+    assert prompt_reading(began("float32", ""), began("float32", "float32")) == (
+        "Both continued from a reading of the prompt in float32.")  # a trace from before the field: its dtype
+    assert "different dtypes (bfloat16 and float32)" in prompt_reading(began("float32", "bfloat16"),
+                                                                     began("float32", ""))
+    line = exactness_html([1, 2], [1, 2], lambda ids: "x", "SpecExtend", shared)
+    assert "✔ Exact" in line and "in bfloat16; decoding in float32" in line

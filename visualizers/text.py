@@ -86,21 +86,36 @@ def first_divergence(ours: Sequence[int], reference: Sequence[int]) -> int | Non
     return None
 
 
-def exactness_html(ours: Sequence[int], reference: Sequence[int], decode: Decode, what: str = "this run") -> str:
-    """Compare a run's tokens with the target's own greedy tokens; show the first divergence if any."""
+def exactness_html(ours: Sequence[int], reference: Sequence[int], decode: Decode, what: str = "this run",
+                   reading: str = "") -> str:
+    """Compare a run's tokens with the target's own greedy tokens; show the first divergence if any. `reading`
+    says what the two continued from (the prompt's reading: `prompt_reading`)."""
     i = first_divergence(ours, reference)
     n = min(len(ours), len(reference))
+    said = f" {html.escape(reading)}" if reading else ""
     if i is None:
         if len(ours) == len(reference):
             return (f"<div class='se-ok'>✔ Exact: {html.escape(what)} produced the same {n} tokens as the "
-                    "target's own greedy decoding.</div>")
+                    f"target's own greedy decoding.{said}</div>")
         return (f"<div class='se-ok'>✔ Exact over the {n} tokens both produced ({len(ours)} vs "
-                f"{len(reference)}: one run ended earlier).</div>")
+                f"{len(reference)}: one run ended earlier).{said}</div>")
     before = html.escape(decode(list(ours[max(0, i - 24) : i])))
     a = html.escape(decode([ours[i]]))
     b = html.escape(decode([reference[i]]))
     return (
         f"<div class='se-bad'>✘ {html.escape(what)} first differs from the target's greedy output at new token "
         f"{i}: …{before}<b style='color:{STATUS_COLORS['rejected']}'>[{a}]</b> where the target wrote "
-        f"<b>[{b}]</b>. (Tiny numeric differences between batched and one-token forwards can flip a near-tie.)</div>"
+        f"<b>[{b}]</b>. (Tiny numeric differences between batched and one-token forwards can flip a near-tie.){said}</div>"
     )
+
+
+def prompt_reading(ours: Started | None, reference: Started | None) -> str:
+    """What two runs continued from, in words: the dtype each read the prompt in (a race's runs share one reading;
+    reading it in bfloat16 can change the target's own answer against a float32 reading, so the line says which)."""
+    if ours is None or reference is None:
+        return ""
+    mine, theirs = ours.prefill_dtype or ours.dtype, reference.prefill_dtype or reference.dtype
+    if mine != theirs:
+        return f"They read the prompt in different dtypes ({mine} and {theirs}), so a near-tie may differ."
+    decoding = f"; decoding in {ours.dtype}" if mine != ours.dtype else ""
+    return f"Both continued from a reading of the prompt in {mine}{decoding}."
