@@ -274,6 +274,17 @@ def wait_for_step(page, step: int) -> None:
         timeout=30_000)
 
 
+def open_replay(browser, url: str):
+    """A new page with the recorded trace chosen for replay (not yet started)."""
+    page = browser.new_page(viewport={"width": 1500, "height": 1100})
+    page.goto(url)
+    page.wait_for_selector("#run")
+    page.get_by_text("Replay a trace without loading any model").click()
+    page.set_input_files("#trace-file input[type=file]", str(FIXTURE_TRACE))
+    page.wait_for_function("document.querySelector('#trace-file')?.innerText.includes('.json')", timeout=30_000)
+    return page
+
+
 @pytest.mark.parametrize("engine", [ENGINE])
 def test_the_step_control_moves_every_panel_through_a_replayed_trace(studio_url, browser, engine):
     """Replay the recorded trace (no model), then step: the output, the working-cache outline and the draft tree
@@ -281,12 +292,7 @@ def test_the_step_control_moves_every_panel_through_a_replayed_trace(studio_url,
     url, _ = studio_url
     events = json.loads(FIXTURE_TRACE.read_text())["runs"]["specextend"]
     last = max(e["step"] for e in events if e["type"] == "Verified")
-    page = browser.new_page(viewport={"width": 1500, "height": 1100})
-    page.goto(url)
-    page.wait_for_selector("#run")
-    page.get_by_text("Replay a trace without loading any model").click()
-    page.set_input_files("#trace-file input[type=file]", str(FIXTURE_TRACE))
-    page.wait_for_function("document.querySelector('#trace-file')?.innerText.includes('.json')", timeout=30_000)
+    page = open_replay(browser, url)
     page.click("#replay")
     page.wait_for_function("document.querySelector('#status').innerText.includes('Done.')", timeout=120_000)
     page.wait_for_selector("#stepper", state="visible", timeout=30_000)
@@ -330,12 +336,7 @@ def test_stop_during_a_replay_is_said_until_the_end_and_the_end_stays(studio_url
     """A replay at its recorded pace (the fixture's runs took minutes) stopped midway: the status says it is
     stopping, then that it stopped, and that last word stays (Stop's own answer never lands after it)."""
     url, _ = studio_url
-    page = browser.new_page(viewport={"width": 1500, "height": 1100})
-    page.goto(url)
-    page.wait_for_selector("#run")
-    page.get_by_text("Replay a trace without loading any model").click()
-    page.set_input_files("#trace-file input[type=file]", str(FIXTURE_TRACE))
-    page.wait_for_function("document.querySelector('#trace-file')?.innerText.includes('.json')", timeout=30_000)
+    page = open_replay(browser, url)
     page.get_by_label("recorded pace").check()
     page.click("#replay")
     page.wait_for_function("document.querySelector('#status').innerText.includes('step ')", timeout=60_000)
