@@ -7,7 +7,6 @@ Knows the engine's contract and events; knows nothing of gradio or figures.
 from __future__ import annotations
 
 import ctypes
-import gc
 import logging
 import math
 import threading
@@ -173,9 +172,8 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 
 def release_memory() -> None:
-    """After a run: collect what it left in reference cycles and hand the freed heap pages back to the system. glibc
-    keeps them otherwise, and the app's resident memory grew with every run's peak (docs/APP.md, "Memory")."""
-    gc.collect()
+    """After a run: hand the heap pages it freed back to the system. glibc keeps them otherwise, and the app's resident
+    memory grew with every run's peak (docs/APP.md, "Memory"). A run leaves no reference cycles to collect first."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
