@@ -70,4 +70,5 @@ def test_races_and_needle_runs_keep_memory_flat(studio):
         settled()
         memory.append(round(rss_mb()))
     base = memory[WARM_UP - 1]
+    print(f"resident MB after each run (warm-up {WARM_UP}): {memory}")  # docs/APP.md's figure, with -s
     assert max(memory[WARM_UP:]) <= 1.15 * base, memory
