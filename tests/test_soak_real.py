@@ -1,7 +1,7 @@
 """The real engine under repetition: the bundled pair (SmolLM2-135M-Instruct and its EAGLE-3 head, on the CPU) through
 the Studio's handlers in this process, races and needle runs mixed, each tab its own session. After a warm-up,
-resident memory stays within 15% of where it stood. Minutes on a 2-core CPU, so marked `slow` and left out of the
-default run: `pytest -m slow tests/test_soak_real.py` (docs/APP.md, "Memory", has the figure it measured)."""
+resident memory stays within 15% of where it stood. About two minutes on a 2-core CPU, in the default run;
+`pytest -s tests/test_soak_real.py` prints the readings (docs/APP.md, "Memory", has the figure it measured)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from app import Settings, documents
 from app.settings import BUNDLED
 
-pytestmark = [pytest.mark.slow, pytest.mark.soak]
+pytestmark = pytest.mark.soak
 
 WARM_UP = 4  # two races and two needle runs: the pair loads, every kernel and cache has met its shapes
 RUNS = 24  # then twelve of each, alternating
