@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -28,6 +29,11 @@ from .compat import PairFacts, check_architecture, check_pair, context_length
 from .config import RetrievalSignal
 from .vocab import check_vocab, keep_to_vocab, reduce_output_vocab
 
+# oneDNN, which runs torch's bf16 matmuls on the CPU, keeps a compiled kernel per shape it met, 1,024 by default: a
+# bf16 prefill meets new ones at each prompt length (about 1 MB each on the AMX machine), so resident memory crept with
+# every new prompt. 16 hold a prefill's linear shapes (the bundled target has five). oneDNN reads this when it first
+# runs, so it is set on import.
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16")
 NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # one formula (rms_norm below)
 # the engine hands models its cache as `cache=`: transformers before 5.24 named it `past_key_values` and would
 # silently run every forward without the cache
