@@ -53,13 +53,18 @@ def node_depths(parents: Sequence[int]) -> list[int]:
     return depths
 
 
+def steps_with_trees(events: Sequence[Event]) -> Iterator[tuple[Verified, Drafted | None]]:
+    """Per step: its Verified and its Drafted (None when it drafted nothing)."""
+    trees = {e.step: e for e in _of(events, Drafted)}
+    for v in _of(events, Verified):
+        yield v, trees.get(v.step)
+
+
 def acceptance_by_position(events: Sequence[Event]) -> tuple[float, ...]:
     """For each draft depth d: steps whose accepted path reached depth d / steps that drafted depth d."""
     drafted: dict[int, int] = defaultdict(int)
     accepted: dict[int, int] = defaultdict(int)
-    trees = {e.step: e for e in _of(events, Drafted)}
-    for v in _of(events, Verified):
-        tree = trees.get(v.step)
+    for v, tree in steps_with_trees(events):
         if tree is None:
             continue
         for d in set(node_depths(tree.parents)):
@@ -89,12 +94,11 @@ def acceptance_by_source(events: Sequence[Event]) -> dict[str, tuple[float, ...]
     steps whose accepted node at depth d was that proposer's / steps where it proposed a node at depth d. A node
     both proposed counts for each. Only proposers that proposed a node are listed."""
     out = {}
-    trees = {e.step: e for e in _of(events, Drafted)}
+    steps = list(steps_with_trees(events))
     for proposer, mine in PROPOSERS.items():
         drafted: dict[int, int] = defaultdict(int)
         accepted: dict[int, int] = defaultdict(int)
-        for v in _of(events, Verified):
-            tree = trees.get(v.step)
+        for v, tree in steps:
             if tree is None:
                 continue
             for d in {d for d, s in zip(node_depths(tree.parents), node_sources(tree)) if s in mine}:
@@ -109,9 +113,8 @@ def acceptance_by_source(events: Sequence[Event]) -> dict[str, tuple[float, ...]
 def accepted_steps(events: Sequence[Event]) -> Iterator[tuple[Verified, Drafted | None, tuple[int, ...]]]:
     """Per step: its Verified, its Drafted (None when it drafted nothing), and the accepted nodes that count
     (a step cut at the token limit or EOS keeps only a prefix of its accepted path)."""
-    trees = {e.step: e for e in _of(events, Drafted)}
-    for v in _of(events, Verified):
-        yield v, trees.get(v.step), v.accepted_nodes[: min(v.num_accepted, len(v.committed))]
+    for v, tree in steps_with_trees(events):
+        yield v, tree, v.accepted_nodes[: min(v.num_accepted, len(v.committed))]
 
 
 def tokens_by_source(events: Sequence[Event]) -> dict[str, int]:
@@ -130,13 +133,12 @@ def step_tokens_by_source(events: Sequence[Event]) -> dict[str, float]:
     """Tokens per step by who proposed them: each step's accepted draft nodes by source ("draft", "lookup", "both")
     and its bonus token ("target"), averaged over the steps; they add up to Summary.mean_accepted."""
     counts = dict.fromkeys((*SOURCES, "target"), 0)
-    trees = {e.step: e for e in _of(events, Drafted)}
-    verified = _of(events, Verified)
-    for v in verified:
+    steps = list(steps_with_trees(events))
+    for v, tree in steps:
         for node in v.accepted_nodes:
-            counts[source_of(trees.get(v.step), node)] += 1
+            counts[source_of(tree, node)] += 1
         counts["target"] += 1
-    return {k: n / len(verified) if verified else 0.0 for k, n in counts.items()}
+    return {k: n / len(steps) if steps else 0.0 for k, n in counts.items()}
 
 
 def sat_out(events: Sequence[Event]) -> dict[str, int]:
