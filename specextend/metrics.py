@@ -198,6 +198,35 @@ def committed_curve(events: Sequence[Event]) -> list[tuple[float, int]]:
     return points
 
 
+@dataclass(frozen=True)
+class Window:
+    """The steps whose first new token fell in output positions [start, start + size): how many, and what they
+    committed (a step is counted whole in the window it starts in)."""
+
+    start: int
+    size: int
+    steps: int
+    tokens: int
+
+    @property
+    def per_step(self) -> float:
+        return self.tokens / self.steps if self.steps else 0.0
+
+
+def tokens_per_step_by_window(events: Sequence[Event], size: int = 256) -> list[Window]:
+    """Tokens committed per step along the output, in windows of `size` output positions: how acceptance moves as
+    the output grows (the first token, the prefill's, belongs to no step; windows without a step are left out)."""
+    if size < 1:
+        raise ValueError(f"a window holds at least one output position, got {size}")
+    windows: dict[int, list[int]] = {}
+    for v in _of(events, Verified):
+        start = (v.total_new - len(v.committed)) // size * size  # where the step's first token landed
+        steps_tokens = windows.setdefault(start, [0, 0])
+        steps_tokens[0] += 1
+        steps_tokens[1] += len(v.committed)
+    return [Window(start, size, n, t) for start, (n, t) in sorted(windows.items())]
+
+
 def phase_seconds(events: Sequence[Event]) -> dict[str, float]:
     out = dict.fromkeys(PHASES, 0.0)
     for e in events:

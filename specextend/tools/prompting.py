@@ -1,8 +1,9 @@
 """Prompting: a document and an instruction in, the target's prompt ids out, and the ids a run stops on.
 
 One path for the CLI, the benchmark and the app. The request is the document, a blank line and the instruction,
-written by the tokenizer's chat template when it has one (templates with a thinking mode are asked not to think:
-a summary should start with the summary), else as plain text after the tokenizer's own start token. Text that
+written by the tokenizer's chat template when it has one (templates with a thinking mode are asked not to think
+about a long input, since a summary should start with the summary, and to think for a long output: `thinking`), else
+as plain text after the tokenizer's own start token. Text that
 spells a special token inside the document stays text. Truncation
 drops the document's middle, never the template or the instruction. A run stops on the union of the end ids the
 generation config, the model config and the tokenizer name.
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 DEFAULT_INSTRUCTION = "Summarize the document above in a few sentences."
+LONG_OUTPUT_INSTRUCTION = "Continue this at length: write at least 2,000 words."
 KEEP_HEAD = 256  # tokens of the prompt's start kept (at most half the limit) when the document's middle is dropped
 
 
@@ -48,19 +50,20 @@ def defuse(text: str, controls: list[str]) -> str:
     return text
 
 
-def render(tokenizer, document: str, instruction: str) -> str:
+def render(tokenizer, document: str, instruction: str, thinking: bool = False) -> str:
     """The request as text: the chat template's rendering, or the plain prompt (document, blank line, instruction).
-    The document and the instruction are user text: their special-token strings are defused."""
+    The document and the instruction are user text: their special-token strings are defused. `thinking`: a template
+    with a thinking mode opens the answer with it (a long output); templates without one ignore it."""
     controls = control_strings(tokenizer)
-    return _write(tokenizer, defuse(document, controls), defuse(instruction, controls))
+    return _write(tokenizer, defuse(document, controls), defuse(instruction, controls), thinking)
 
 
-def _write(tokenizer, document: str, instruction: str) -> str:
+def _write(tokenizer, document: str, instruction: str, thinking: bool = False) -> str:
     """`render` of a document and an instruction already defused."""
     content = f"{document.strip()}\n\n{instruction.strip()}"
     if has_template(tokenizer):
         return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                             add_generation_prompt=True, enable_thinking=False)
+                                             add_generation_prompt=True, enable_thinking=thinking)
     return content + "\n"
 
 
@@ -71,13 +74,13 @@ def _locate(offsets: list[tuple[int, int]], start: int, end: int) -> tuple[int, 
 
 
 def encode(tokenizer, document: str, instruction: str, marks: dict[str, str] | None = None,
-           limit: int | None = None) -> Prompt:
+           limit: int | None = None, thinking: bool = False) -> Prompt:
     """Tokenize the request; the token spans of the document and of each marked passage's first occurrence in it
     (a passage not found, or dropped by truncation, is left out). With `limit`, a longer prompt loses the middle of
-    its document (`truncate`)."""
+    its document (`truncate`); `thinking` as in `render`."""
     controls = control_strings(tokenizer)
     document, instruction = defuse(document, controls), defuse(instruction, controls)
-    text = _write(tokenizer, document, instruction)
+    text = _write(tokenizer, document, instruction, thinking)
     # a template writes its own special tokens; a plain prompt takes the tokenizer's start token
     enc = tokenizer(text, add_special_tokens=not has_template(tokenizer), return_offsets_mapping=True)
     ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
