@@ -10,8 +10,8 @@ from transformers import AutoTokenizer
 
 from conftest import save_tiny_pair
 from specextend.config import GPU_DRAFT, AttentionConfig, DraftConfig
-from specextend.tools import bundled
-from specextend.tools.cli import build_parser, config_from, main
+from specextend.tools import bundled, prompting
+from specextend.tools.cli import LONG_OUTPUT_TOKENS, build_parser, config_from, main, workload
 
 
 def args(*extra):
@@ -71,6 +71,28 @@ def test_generate_prints_text_then_json(tiny_dirs, tmp_path, capsys):
         assert key in result
     assert result["method"] == "specextend" and 1 <= len(result["token_ids"]) <= 12
     assert json.loads(trace.read_text())[0]["type"] == "Started"
+
+
+def test_long_output_writes_past_its_prompt_and_cmr_reads_the_output_back(tiny_dirs, tmp_path, capsys):
+    assert config_from(args("--long-output"), eos=()).max_new_tokens == LONG_OUTPUT_TOKENS
+    assert workload(args("--long-output"))[0] == prompting.LONG_OUTPUT_INSTRUCTION
+    assert workload(args("--long-output", "--max-new-tokens", "5", "--instruction", "Go on.")) == ("Go on.", 5)
+    assert workload(args()) == (prompting.DEFAULT_INSTRUCTION, 128)
+    opening = tmp_path / "opening.txt"
+    opening.write_text("The boat came in at dawn, low in the water.")
+    trace = tmp_path / "trace.json"
+    code = main(["generate", "--input", str(opening), "--long-output", "--target", str(tiny_dirs[0]),
+                 "--draft", str(tiny_dirs[1]), "--max-new-tokens", "400", "--chunk-size", "16", "--top-k", "4",
+                 "--retrieve-every", "2", "--trace", str(trace)])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    prompt_len = result["prompt_tokens"]
+    assert prompt_len < 100 and len(result["token_ids"]) > 5 * prompt_len  # the sequence grew by generation
+    events = json.loads(trace.read_text())
+    late = [e for e in events if e["type"] == "Retrieved" and e["seq_len"] > 4 * prompt_len]
+    assert late and all(e["working_cache_len"] <= 4 * 16 for e in late)  # the budget holds as the output grows
+    chosen = {e["chunk_spans"][i][0] for e in late for i in e["selected"]}
+    assert any(start >= prompt_len for start in chosen)  # CMR kept chunks the model wrote itself
 
 
 def test_errors_are_messages_not_tracebacks(tiny_dirs, tmp_path, capsys):

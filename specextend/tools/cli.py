@@ -17,6 +17,7 @@ from . import prompting
 from ..config import (METHODS, SIGNAL_NAMES, AttentionConfig, DraftConfig, LookupConfig, RetrievalConfig, RetrievalSignal,
                      draft_defaults, preset)
 
+LONG_OUTPUT_TOKENS = 2048  # --long-output's default generation length
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,9 +26,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate from a document with one method",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g.add_argument("--input", required=True, help="UTF-8 text file: the document")
+    g.add_argument("--input", required=True, help="UTF-8 text file: the document (with --long-output: the short prompt)")
     g.add_argument("--method", choices=METHODS, default="specextend", help="decoding method")
-    g.add_argument("--instruction", default=prompting.DEFAULT_INSTRUCTION, help="the task, appended after the document")
+    g.add_argument("--long-output", action="store_true",
+                   help="the long-output workload: a short prompt and a long generation (a template with a thinking "
+                        f"mode thinks; the instruction defaults to {prompting.LONG_OUTPUT_INSTRUCTION!r} and "
+                        f"--max-new-tokens to {LONG_OUTPUT_TOKENS})")
+    g.add_argument("--instruction", help="the task, appended after the document (default: "
+                                         f"{prompting.DEFAULT_INSTRUCTION!r})")
     g.add_argument("--raw", action="store_true", help="feed the document as is: no chat template, no instruction")
     g.add_argument("--truncate", action="store_true",
                    help="if the prompt plus max-new-tokens exceeds the target's limit, drop the document's middle "
@@ -37,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     g.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--max-new-tokens", type=int, help=f"default: 128 ({LONG_OUTPUT_TOKENS} with --long-output)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
@@ -127,6 +133,14 @@ def lookup_from(args: argparse.Namespace, enabled: bool | None) -> LookupConfig:
                         draft_gate=args.lookup_draft_gate)
 
 
+def workload(args: argparse.Namespace) -> tuple[str, int]:
+    """The instruction and max new tokens: as given, else the workload's (a long input's, or --long-output's)."""
+    instruction, tokens = ((prompting.LONG_OUTPUT_INSTRUCTION, LONG_OUTPUT_TOKENS) if args.long_output
+                           else (prompting.DEFAULT_INSTRUCTION, 128))
+    given = lambda value, default: default if value is None else value  # noqa: E731
+    return given(args.instruction, instruction), given(args.max_new_tokens, tokens)
+
+
 def config_from(args: argparse.Namespace, eos: tuple[int, ...], device_type: str = "cpu"):
     """A GenerationConfig from parsed arguments (draft settings not given: the device's defaults); every nonsense
     value raises ValueError here."""
@@ -146,14 +160,15 @@ def config_from(args: argparse.Namespace, eos: tuple[int, ...], device_type: str
     base = preset(args.method).attention
     attention = AttentionConfig(prefill=args.prefill or base.prefill, verify=args.verify or base.verify,
                                 steps=args.steps or base.steps)
-    return preset(args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+    return preset(args.method, max_new_tokens=workload(args)[1], temperature=args.temperature, top_p=args.top_p,
                   seed=args.seed, eos_token_ids=eos, draft=draft, retrieval=retrieval, attention=attention, cmr=args.cmr,
                   lookup=lookup)
 
 
 def prompt_from(args: argparse.Namespace, tokenizer, text: str, room: int) -> list[int]:
     """The prompt ids the arguments ask for (`room`: the positions the prompt may take, used with --truncate)."""
-    request = prompting.raw(tokenizer, text) if args.raw else prompting.encode(tokenizer, text, args.instruction)
+    request = prompting.raw(tokenizer, text) if args.raw else prompting.encode(tokenizer, text, workload(args)[0],
+                                                                               thinking=args.long_output)
     return (prompting.truncate(request, room) if args.truncate else request).ids
 
 
