@@ -50,10 +50,10 @@ class Codec:
     def count(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def prompt(self, document: str, task: str, marks: dict[str, str] | None = None) -> Prompt:
+    def prompt(self, document: str, task: str, marks: dict[str, str] | None = None, thinking: bool = False) -> Prompt:
         """Tokenize the request as the CLI and the benchmark do; token spans of the document and of each marked
-        passage inside it."""
-        return prompting.encode(self.tokenizer, document, task, marks)
+        passage inside it. `thinking`: a long output, which a template with a thinking mode opens by thinking."""
+        return prompting.encode(self.tokenizer, document, task, marks, thinking=thinking)
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,25 @@ def samples() -> list[tuple[str, str]]:
     return [(f"{d.title} (~{d.tokens:,} tokens)", d.name) for d in docs]
 
 
+def prompts() -> list[tuple[str, str]]:
+    """(label, name) of the bundled long-output prompts; empty if the assets are not there."""
+    from specextend.tools.bundled import short_prompts
+
+    try:
+        found = short_prompts()
+    except (OSError, ValueError, KeyError):
+        return []
+    return [(p.title, p.name) for p in found]
+
+
+def sample_prompt(name: str) -> tuple[str, str]:
+    """A bundled long-output prompt's text and its instruction."""
+    from specextend.tools.bundled import short_prompt
+
+    found = short_prompt(name)
+    return found.text(), found.instruction
+
+
 def sample_text(name: str) -> str:
     from specextend.tools.bundled import document
 

@@ -15,7 +15,7 @@ and the limits that keep a shared app serving. Knows nothing of gradio or models
 | SPECEXTEND_MAX_UPLOAD_KB | 1024 | largest document upload accepted |
 | SPECEXTEND_MAX_DOCUMENT_CHARS | 400000 | longest document text however it arrives, checked before tokenizing |
 | SPECEXTEND_MAX_TRACE_KB | 16384 | largest trace file accepted for replay |
-| SPECEXTEND_MAX_NEW_TOKENS | 1024 | largest max_new_tokens a user may ask for |
+| SPECEXTEND_MAX_NEW_TOKENS | 2048 | largest max_new_tokens a user may ask for (a long output writes up to this) |
 | SPECEXTEND_CONCURRENCY | 1 | generations running at once; others wait in the queue |
 | SPECEXTEND_QUEUE | 16 | requests that may wait in the queue |
 | SPECEXTEND_REDRAW_S | 0.3 | shortest time between redraws of the live panels (and the charts' default) |
@@ -130,7 +130,7 @@ class Settings:
     hub: bool = False
     max_upload_bytes: int = 1024 * 1024
     max_trace_bytes: int = 16 * 1024 * 1024
-    max_new_tokens: int = 1024
+    max_new_tokens: int = 2048
     concurrency: int = 1
     queue_size: int = 16
     redraw_s: float = 0.3  # shortest time between panel redraws while a run streams
@@ -168,7 +168,7 @@ class Settings:
             max_upload_bytes=_number(env, "SPECEXTEND_MAX_UPLOAD_KB", 1024, 1) * 1024,
             max_trace_bytes=_number(env, "SPECEXTEND_MAX_TRACE_KB", 16384, 1) * 1024,
             max_document_chars=_number(env, "SPECEXTEND_MAX_DOCUMENT_CHARS", 400_000, 1),
-            max_new_tokens=_number(env, "SPECEXTEND_MAX_NEW_TOKENS", 1024, 1),
+            max_new_tokens=_number(env, "SPECEXTEND_MAX_NEW_TOKENS", 2048, 1),
             concurrency=_number(env, "SPECEXTEND_CONCURRENCY", 1, 1),
             queue_size=_number(env, "SPECEXTEND_QUEUE", 16, 1),
             redraw_s=_number(env, "SPECEXTEND_REDRAW_S", 0.3, 0.05, float),

@@ -21,7 +21,7 @@ from gradio.components.plot import PlotData
 
 from specextend.config import GenerationConfig, preset
 from specextend.methods import METHOD_TABLE
-from specextend.tools.prompting import Prompt
+from specextend.tools.prompting import LONG_OUTPUT_INSTRUCTION, Prompt
 from visualizers import heads_spec, needle_spec, retrieval_spec, signal_html
 from visualizers.common import ending, label
 from visualizers.steps import last_step, step_html
@@ -61,7 +61,7 @@ CSS = """
 
 INTRO = """
 # SpecExtend Studio
-**Speculative decoding on long documents, drawn live.** A small *draft* model guesses the next few tokens; the
+**Speculative decoding on long inputs and long outputs, drawn live.** A small *draft* model guesses the next few tokens; the
 larger *target* model checks all the guesses in one pass, keeps the ones it agrees with and adds one token of its
 own (the *bonus* token). The output is exactly what the target alone would write, only faster. On a long document
 the draft gets slow and guesses worse; **SpecExtend** lets it read only the *chunks* of the document that the
@@ -69,7 +69,8 @@ target is paying attention to right now (Cross-model Retrieval, CMR), and uses f
 
 Pick a sample document (or paste or upload one), press **Run**, and watch: **①** the text as it is written,
 **②** which chunks the draft reads, **③** which of its guesses the target keeps, **④** the speed against
-standard speculative decoding and the target alone.
+standard speculative decoding and the target alone. Or choose **long output**: a short prompt and thousands of new
+tokens, where the sequence grows by generation and CMR reads back what the model wrote itself.
 """
 
 METHOD_CHOICES = [(m.choice, m.name) for m in reversed(METHOD_TABLE)]  # SpecExtend first, the target alone last
@@ -79,6 +80,9 @@ NEEDLE_RUNS = ("specextend", "specextend_paper", "streaming")  # the needle tab'
 RACE_CHOICES = [("standard speculative decoding", "speculative"), ("lookup drafting alone", "lookup"),
                 ("the target alone (also checks exactness)", "autoregressive")]
 DEFAULT_TASK = "Summarize the document in a few sentences."
+WORKLOADS = [("long input: read a document, write a short answer", "document"),
+             ("long output: write at length from a short prompt", "long_output")]
+LONG_OUTPUT_TOKENS = 2048  # a long output's max new tokens, where the server allows that many
 RUN_IS_GOING = "A run is going in this tab: Run starts nothing until it ends. Press Stop to end it sooner."
 STOPPING = "Stopping: the run ends after the current step (or prefill block)."
 STOP_WAIT_S = 5.0  # Stop waits this long for the run to end, so that its answer cannot land after the run's last word
@@ -203,6 +207,22 @@ class Studio:
     def pick_sample(self, name: str | None):
         return documents.sample_text(name) if name else gr.skip()
 
+    def pick_prompt(self, name: str | None) -> tuple:
+        """A bundled long-output prompt: its text and its instruction."""
+        return documents.sample_prompt(name) if name else (gr.skip(), gr.skip())
+
+    def choose_workload(self, workload: str) -> tuple:
+        """The controls of a workload: which samples are offered, what the text box holds, the task, and how many new
+        tokens (a long output asks for thousands, where the server allows them). The text typed so far stays."""
+        long = workload == "long_output"
+        tokens = min(LONG_OUTPUT_TOKENS, self.settings.max_new_tokens) if long else min(Knobs.max_new_tokens,
+                                                                                         self.settings.max_new_tokens)
+        return (gr.Dropdown(visible=not long), gr.Dropdown(visible=long),
+                gr.Textbox(label="Prompt" if long else "Document",
+                           placeholder="…or write a short prompt: a story opening, a question, a problem" if long
+                           else "…or paste a long document here"),
+                LONG_OUTPUT_INSTRUCTION if long else DEFAULT_TASK, tokens)
+
     def upload(self, path: str | None):
         if not path:
             return gr.skip(), gr.skip()
@@ -259,13 +279,16 @@ class Studio:
             top_k: float = Knobs.top_k, retrieve_every: float = Knobs.retrieve_every, shape: str = Knobs.shape,
             k: float = Knobs.k, max_depth: float = Knobs.max_depth, node_budget: float = Knobs.node_budget,
             temperature: float = Knobs.temperature, seed: float = Knobs.seed, lookup: bool = Knobs.lookup,
-            signal: str = Knobs.signal) -> Iterator[tuple]:
-        """The API's `/run`: its parameters are named as the page's controls are (the knobs in KNOB_NAMES' order)."""
+            signal: str = Knobs.signal, workload: str = "document") -> Iterator[tuple]:
+        """The API's `/run`: its parameters are named as the page's controls are (the knobs in KNOB_NAMES' order,
+        then the workload: "document", a long input, or "long_output", a short prompt written on at length)."""
         state.stop()
         try:
             text = documents.check_text(document, self.settings.max_document_chars)
             if not task or not task.strip():
                 raise ValueError("The task is empty: say what to do with the document (for example, summarize it).")
+            if workload not in {value for _, value in WORKLOADS}:
+                raise ValueError(f"the workload is 'document' (a long input) or 'long_output', got {workload!r}")
             choice = self.settings.pair(pair) if pair else self.settings.default
             knobs = Knobs(max_new_tokens, chunk_size, top_k, retrieve_every, shape, k, max_depth, node_budget,
                           temperature, seed, lookup, signal)
@@ -277,8 +300,9 @@ class Studio:
 
         def prepare(say):
             loaded = self.pairs.get(choice, say)
-            say(f"Tokenizing the document with the target's chat template ({loaded.device}, {loaded.dtype})")
-            prompt = loaded.codec.prompt(text, task)
+            say(f"Tokenizing the {'prompt' if workload == 'long_output' else 'document'} with the target's chat "
+                f"template ({loaded.device}, {loaded.dtype})")
+            prompt = loaded.codec.prompt(text, task, thinking=workload == "long_output")
             self.check_input(loaded, prompt)
             return loaded.codec, prompt, loaded.max_positions, loaded.for_click()
 
@@ -287,8 +311,8 @@ class Studio:
 
         state.job = Job(methods, configs, prepare).start()
         self.generations.append(state.job)
-        yield from self._stream(state.job, self._main_draw(method), {"pair": choice.label, "task": task, "primary": method},
-                                chart_every)
+        yield from self._stream(state.job, self._main_draw(method), {"pair": choice.label, "task": task, "primary": method,
+                                                                     "workload": workload}, chart_every)
 
     def replay(self, state: SessionState, trace: str | None, pace: str = "instant",
                chart_every: str | float | None = None) -> Iterator[tuple]:
@@ -559,13 +583,19 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
         n_state = gr.State(SessionState, delete_callback=SessionState.close)  # the needle tab's own
         gr.Markdown(INTRO)
         with gr.Tabs():
-            with gr.Tab("Long document", id="main"):
+            with gr.Tab("Long input or long output", id="main"):
                 with gr.Row(equal_height=False):
                     with gr.Column(scale=1, min_width=340):
                         samples = documents.samples()
+                        workload = gr.Radio(WORKLOADS, value="document", label="Workload", elem_id="workload",
+                                            info="the paper's two: a long document read for a short answer, or a "
+                                                 "short prompt written on for thousands of tokens")
                         with gr.Row(equal_height=True):
                             sample = gr.Dropdown(label="Sample document", choices=samples, value=None, scale=3,
                                                  elem_id="sample", info="public-domain texts shipped with the app")
+                            prompt_sample = gr.Dropdown(label="Sample prompt", choices=documents.prompts(), value=None,
+                                                        scale=3, elem_id="prompt-sample", visible=False,
+                                                        info="short prompts shipped with the app")
                             upload = gr.UploadButton("Upload .txt / .md", file_types=[".txt", ".md"], type="filepath",
                                                      scale=1, size="sm", elem_id="upload")
                         document = gr.Textbox(label="Document", lines=6, max_lines=10, elem_id="document",
@@ -692,6 +722,9 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
         outputs = [status, output, exact, retrieval, far, acceptance, throughput, readout, download]
         # helpers of the page itself (a sample's text, the document readout) are not part of the public API
         sample.change(studio.pick_sample, sample, document, queue=False, api_visibility="private")
+        prompt_sample.change(studio.pick_prompt, prompt_sample, [document, task], queue=False, api_visibility="private")
+        workload.input(studio.choose_workload, workload, [sample, prompt_sample, document, task, max_new], queue=False,
+                       api_visibility="private")
         upload.upload(studio.upload, upload, [document, doc_info], queue=False)
         for source in (document, pair):
             source.change(studio.document_info, [document, pair], doc_info, queue=False, trigger_mode="always_last",
@@ -707,7 +740,7 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
                             outputs=[stepper, timer, play_btn, playing], queue=False, api_visibility="private",
                             show_progress="hidden")
         run_btn.click(**hide_stepper).then(
-            studio.run, [state, document, task, pair, method, race, charts, *knobs], outputs, api_name="run",
+            studio.run, [state, document, task, pair, method, race, charts, *knobs, workload], outputs, api_name="run",
             concurrency_limit=settings.concurrency, concurrency_id="generate", show_progress="minimal",
         ).then(studio.document_info, [document, pair], doc_info, queue=False, show_progress="hidden",
                api_visibility="private",  # the exact token count, now that the model is loaded

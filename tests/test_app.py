@@ -17,10 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from app import Settings, build_app, launch
+from app import Settings, build_app, documents, launch
 from app.runner import Knobs, build_config
 from app.settings import BUNDLED, BUNDLED_DRAFT_MODEL, parse_pairs
 from app.trace import TraceError, loads
+from app.ui import DEFAULT_TASK
+from specextend.events import Retrieved
 
 from fixtures.fake_engine import fake_factory, fake_generate
 
@@ -566,7 +568,7 @@ def test_the_api_names_every_parameter_and_output_and_refuses_in_the_pages_words
 
     api = client.view_api(print_info=False, return_format="dict")["named_endpoints"]
     run = [p["parameter_name"] for p in api["/run"]["parameters"]]
-    assert run == ["document", "task", "pair", "method", "race", "chart_every", *KNOB_NAMES]
+    assert run == ["document", "task", "pair", "method", "race", "chart_every", *KNOB_NAMES, "workload"]
     for name, endpoint in api.items():
         assert not any(p["parameter_name"].startswith("param_") for p in endpoint["parameters"]), name
         assert not any((r.get("label") or "value_").startswith("value_") for r in endpoint["returns"]), name
@@ -583,6 +585,35 @@ def test_the_api_names_every_parameter_and_output_and_refuses_in_the_pages_words
                        (("hamlet_opening", 4000, float("nan"), 0, 8, 12), "needle depth is a share"),
                        (("hamlet_opening", 4000, 50, 0, 8, float("inf")), "max new tokens must be a whole number")):
         assert said in html.unescape(drive(studio.needle, SessionState(), *args)[-1][0])
+
+
+def test_a_long_output_writes_thousands_of_tokens_from_a_short_prompt_and_cmr_reads_the_output_back(client):
+    """The long-output workload through the API: a short prompt, 2,000+ new tokens (this server allows them), the
+    race; the trace says which workload ran, and CMR's late retrievals keep chunks of the output."""
+    from app.ui import Studio
+
+    studio = Studio(fake_factory(), Settings(max_new_tokens=3000))
+    sample, prompts, box, task, tokens = studio.choose_workload("long_output")
+    assert (sample.visible, prompts.visible, box.label, tokens) == (False, True, "Prompt", 2048)
+    assert "at length" in task and studio.choose_workload("document")[3] == DEFAULT_TASK
+    assert Studio(fake_factory(), Settings(max_new_tokens=500)).choose_workload("long_output")[4] == 500  # the cap
+    text, instruction = studio.pick_prompt(documents.prompts()[0][1])
+    assert 100 < len(text) < 1000 and instruction
+    short = " ".join(f"word{i}" for i in range(60))
+    result = client.predict(short, instruction, BUNDLED, "specextend", ["speculative"], "0", 250, 16, 4, 2, "chain", 4, 5,
+                            12, 0, 0, True, "default", "long_output", api_name="/run")
+    status, download = result[0], file_path(result[-1])
+    assert "Done." in status
+    runs, _, meta = loads(Path(download).read_text())
+    assert meta["workload"] == "long_output" and set(runs) == {"specextend", "speculative"}
+    finished = runs["specextend"][-1]
+    assert len(finished.token_ids) == 250 and finished.prompt_len < 100
+    late = [e for e in runs["specextend"] if isinstance(e, Retrieved) and e.seq_len > 3 * finished.prompt_len]
+    assert late and any(e.chunk_spans[i][0] >= finished.prompt_len for e in late for i in e.selected)
+    from app.ui import SessionState
+
+    refused = list(studio_run(studio, SessionState(), workload="poem"))  # the page's radio offers no such choice
+    assert len(refused) == 1 and "the workload is 'document'" in html.unescape(refused[0][0])
 
 
 def test_each_tab_owns_its_runs():

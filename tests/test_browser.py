@@ -184,7 +184,7 @@ def test_needle_teaching_tab_compares_two_signals_and_streaming(studio_url, brow
     OUT.mkdir(exist_ok=True)
     page.screenshot(path=str(OUT / f"needle-{engine}.png"), full_page=True)
     # the Long-document tab owns its runs: a refused run there brings back no step control over the needle runs
-    page.get_by_role("tab", name="Long document").click()
+    page.get_by_role("tab", name="Long input or long output").click()
     page.fill("#document textarea", "word " * (MAX_CHARS // 4))
     page.click("#run")
     page.wait_for_function("document.querySelector('#status').innerText.includes('up to 50,000 characters')",
