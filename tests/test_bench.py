@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from specextend.tools import bench
+from specextend.tools import bench, bundled
 from specextend.engine import generate
 from specextend.events import Finished
 
@@ -171,3 +171,55 @@ def test_the_engines_methods_may_read_the_prompt_in_bf16(tmp_path, capsys):
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["prefill_dtype"] == "bfloat16" and report["args"]["bf16_prefill"] == "on"
     assert {c["method"] for c in report["cells"]} == {"autoregressive", "speculative", "hf_assisted"}
+
+
+LONG = ["--quick", "--skip", "grid,sweep,needle", "--long-output"]
+
+
+def test_a_long_output_run_tables_tokens_per_step_by_window_for_every_long_output_method(tmp_path, capsys):
+    rc = bench.main([*LONG, "--out", str(tmp_path)])
+    out = capsys.readouterr().out.splitlines()
+    assert rc == 0
+    methods = ["autoregressive", "speculative", "streaming", "specextend", "specextend_lookup"]
+    start = out.index(next(line for line in out if line.startswith("long output:")))
+    assert out[start + 1].split() == ["method", "0-16", "16-32", "32-48", "new", "tokens", "decode", "tok/s", "x", "AR",
+                                      "(decode)"]  # --quick: 48 new tokens in windows of 16
+    assert [line.split()[0] for line in out[start + 2:start + 7]] == methods
+    report = json.loads((tmp_path / "bench.json").read_text())
+    section = report["long_output"]
+    assert section["max_new_tokens"] == 48 and section["window"] == 16
+    assert section["prompts"] == [p.name for p in bundled.short_prompts()]
+    assert [r["method"] for r in section["rows"]] == methods
+    for row in section["rows"]:
+        assert list(row["windows"]) == ["0-16", "16-32", "32-48"] and row["new_tokens"]["median"] == 48
+        assert all(w["median"] >= 1.0 for w in row["windows"].values())  # every step commits its bonus token
+    alone = next(r for r in section["rows"] if r["method"] == "autoregressive")
+    assert alone["decode_speedup_vs_autoregressive"]["median"] == pytest.approx(1.0)
+    assert all(w["median"] == 1.0 for w in alone["windows"].values())
+    assert len(section["runs"]) == len(methods) * len(section["prompts"])
+    for prompt in section["prompts"]:  # the greedy check: every method wrote the same tokens on a prompt
+        outputs = {r["method"]: r["token_ids"] for r in section["runs"] if r["prompt"] == prompt}
+        assert set(outputs) == set(methods) and len({tuple(ids) for ids in outputs.values()}) == 1
+        assert sum(w["tokens"] for w in next(r for r in section["runs"] if r["prompt"] == prompt)["windows"]) == 47
+    assert {"long_output.csv", "long_output.html"} <= set(report["files"]) and report["cells"] == []
+    assert "windows_16-32_median" in (tmp_path / "long_output.csv").read_text().splitlines()[0].split(",")
+    assert "**Long outputs**" in (tmp_path / "bench.md").read_text()
+    assert json.loads(out[-1])["long_output"] == section["rows"]
+
+
+def test_a_greedy_mismatch_in_a_long_output_stops_the_run(tmp_path, monkeypatch, capsys):
+    def corrupted(pair, prompt, config, **kw):
+        for event in generate(pair, prompt, config, **kw):
+            if isinstance(event, Finished) and config.method == "specextend" and len(event.token_ids) > 8:
+                event = dataclasses.replace(event, token_ids=event.token_ids[:30] + (event.token_ids[30] + 1,))
+            yield event
+
+    monkeypatch.setattr(bench.runs, "generate", corrupted)
+    prompt = tmp_path / "unseen.txt"
+    prompt.write_text("A clock tower in a small town stopped one night at a quarter past three.", encoding="utf-8")
+    rc = bench.main([*LONG, "--out", str(tmp_path), "--methods", "autoregressive,specextend",
+                     "--long-output-prompts", str(prompt)])
+    err = capsys.readouterr().err
+    assert rc == 3
+    assert "unseen.txt" in err and "'specextend'" in err and "'autoregressive'" in err and "at new token 30" in err
+    assert not (tmp_path / "bench.json").exists()

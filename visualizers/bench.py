@@ -1,6 +1,7 @@
 """Figures of a benchmark report (specextend.tools.bench): throughput by input length, speedup over standard
-speculative decoding, acceptance and phases at the longest input, needles by depth, the retrieval sweep. Plotly
-Figures from the report's rows (its grid cells and sweep rows, read by attribute); no gradio."""
+speculative decoding, acceptance and phases at the longest input, needles by depth, the retrieval sweep, tokens per
+step along a long output. Plotly Figures from the report's rows (its grid cells, sweep and long-output rows, read by
+attribute); no gradio."""
 
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ def grid_figures(rows: list[dict]) -> dict:
 
 def figures(report: dict) -> dict:
     """Plotly figures of the report, by file stem."""
+    import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     rows = [r for r in report["cells"] if not r.same_as]
@@ -74,4 +76,15 @@ def figures(report: dict) -> dict:
         fig.add_bar(x=[s.setting for s in sweep], y=[s.mean_accepted.median for s in sweep], row=1, col=2)
         figs["sweep"] = fig.update_layout(title=f"SpecExtend retrieval settings at {report['sweep_input']}",
                                           showlegend=False)
+    if report.get("long_output"):
+        section = report["long_output"]
+        fig = go.Figure()
+        for row in section.rows:
+            starts = [int(label.split("-")[0]) for label in row.windows]
+            fig.add_scatter(x=[s + section.window / 2 for s in starts], y=[w.median for w in row.windows.values()],
+                            name=row.method, mode="lines+markers")
+        figs["long_output"] = fig.update_layout(
+            title=f"Tokens per step along a long output (median over runs on {len(section.prompts)} prompts, "
+                  f"windows of {section.window})", xaxis_title="output position (window centre)",
+            yaxis_title="tokens per step")
     return figs

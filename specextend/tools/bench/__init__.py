@@ -13,6 +13,11 @@ tokenizer, short inputs):
   holds the whole needle after the first retrieval (`needle.hold_rate` in the last JSON line), and whether
   the draft alone answers from its full cache, StreamingLLM's window or CMR's cache per signal.
 - a sweep of the retrieval parameters (the paper's Table 5): working cache, chunk size, top-k, frequency.
+- long outputs (with --long-output; the paper's second workload): the bundled short prompts (or
+  --long-output-prompts) with an instruction to write at length, --long-output-tokens new tokens, for the target
+  alone, the full draft cache, StreamingLLM, CMR and CMR with lookup: tokens per step in each window of output
+  positions (the draft's working cache fills with the output itself), tokens/s and the speedup over the target
+  alone on the same prompt; methods alternated, greedy outputs compared as in the grid.
 
 Every engine number comes from the engine's own events (metrics.summarize); assisted generation is timed
 by a streamer. Tokenization goes through specextend.tools.prompting, as the CLI's and the app's does. Shows a
@@ -22,7 +27,7 @@ reported (on stderr and in the JSON's `figure_errors` and `png`), never fatal. P
 only where they are used.
 
 Parts: `inputs` (methods and prompts), `runs` (one run, the greedy check, medians, goals), `sections` (needle
-retrieval and the retrieval sweep), `report` (files and tables; the figures come from visualizers.bench), `main`
+retrieval, the retrieval sweep, long outputs), `report` (files and tables; the figures come from visualizers.bench), `main`
 (the run and its command line).
 """
 

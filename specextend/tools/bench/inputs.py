@@ -1,5 +1,6 @@
 """The benchmark's methods and inputs: each method's config (the engine's methods, SpecExtend's ablations, and
-transformers' own peers), and prompts cut from the bundled eval documents to each input length."""
+transformers' own peers), prompts cut from the bundled eval documents to each input length, and the short prompts of
+the long-output section."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ HF_LOOKUP_TOKENS = 10  # the prompt_lookup_num_tokens transformers' documentatio
 METHODS = ("autoregressive", "speculative", "streaming", "specextend", "specextend_paper", "cmr_only", "fused_prefill_only",
            "hta_only", "lookup", "specextend_lookup", ASSISTED, PROMPT_LOOKUP)
 BASELINES = ("autoregressive", "speculative", ASSISTED, PROMPT_LOOKUP)
+LONG_OUTPUT_METHODS = ("autoregressive", "speculative", "streaming", "specextend", "specextend_lookup")
 QUICK_SHAPE = (2, 64, 4, 2, 128)  # --quick target: layers, hidden, heads, KV heads, MLP width
 QUICK = dict(lengths="160,336", docs=1, repeats=1, max_new_tokens=8, needles=2, needle_tokens=240,
-             needle_depths="0.3,0.7", retrieval=RetrievalConfig(chunk_size=16, top_k=8, retrieve_every=2,
-                                                                      prefill_window=64))
+             needle_depths="0.3,0.7", long_output_tokens=48, long_output_window=16,
+             retrieval=RetrievalConfig(chunk_size=16, top_k=8, retrieve_every=2, prefill_window=64))
 
 
 class GreedyMismatch(RuntimeError):
@@ -82,3 +84,14 @@ def make_inputs(tokenizer, lengths: list[int], n_docs: int, instruction: str, fi
         texts = [(d.name, d.text()) for d in sorted(bundled.documents("eval"), key=lambda d: -d.tokens)[:n_docs]]
     return [{"length": length, "document": name, "prompt": make_prompt(tokenizer, text, length, instruction)}
             for length in lengths for name, text in texts]
+
+
+def long_output_inputs(tokenizer, files: list[str] = ()) -> list[dict]:
+    """The long-output section's prompts: the bundled short prompts with their own instructions, or the UTF-8 text
+    `files` (text nobody tuned for) with prompting.LONG_OUTPUT_INSTRUCTION; a template with a thinking mode thinks."""
+    if files:
+        texts = [(Path(f).name, Path(f).read_text(encoding="utf-8"), prompting.LONG_OUTPUT_INSTRUCTION) for f in files]
+    else:
+        texts = [(p.name, p.text(), p.instruction) for p in bundled.short_prompts()]
+    return [{"document": name, "prompt": prompting.encode(tokenizer, text, instruction, thinking=True).ids}
+            for name, text, instruction in texts]

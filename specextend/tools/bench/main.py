@@ -1,4 +1,5 @@
-"""The benchmark's run: load the pair, run the grid, the sweep and the needle section, write the report."""
+"""The benchmark's run: load the pair, run the grid, the sweep, the needle and the long-output sections, write the
+report."""
 
 from __future__ import annotations
 
@@ -16,13 +17,14 @@ from pathlib import Path
 from .. import bundled, prompting
 from ...config import DraftConfig, RetrievalConfig
 from ...models import ModelPair, load_pair, make_pair, prefill_dtype, read_tokenizer
-from ..cli import add_lookup_arguments, add_signal_arguments, lookup_from, signal_from
+from ..cli import LONG_OUTPUT_TOKENS, add_lookup_arguments, add_signal_arguments, lookup_from, signal_from
 from ..kernel_bench import llama
-from .inputs import GreedyMismatch, METHODS, PEERS, QUICK, QUICK_SHAPE, aliases, cut_text, make_inputs, method_configs
+from .inputs import (GreedyMismatch, LONG_OUTPUT_METHODS, METHODS, PEERS, QUICK, QUICK_SHAPE, aliases, cut_text,
+                     long_output_inputs, make_inputs, method_configs)
 from .report import plain, table, write_outputs
-from .runs import cells, check_same, goals, run_engine, run_method
-from .sections import (NeedleSection, NeedleSummary, needle_case, needle_signals, needle_texts, sweep_configs,
-                       sweep_row)
+from .runs import cells, check_or_keep, check_same, goals, rotated, run_engine, run_method
+from .sections import (NeedleSection, NeedleSummary, long_output_section, needle_case, needle_signals, needle_texts,
+                       sweep_configs, sweep_row)
 
 
 # ---------------------------------------------------------------- the run
@@ -74,11 +76,13 @@ def run(args, progress) -> dict:
     inputs = make_inputs(tokenizer, lengths, args.docs, args.instruction) if "grid" not in args.skip else []
     sweeps = sweep_configs(retrieval) if "sweep" not in args.skip and inputs else {}
     n_needles = args.needles if "needle" not in args.skip else 0
+    long_inputs = long_output_inputs(tokenizer, args.long_output_prompts) if args.long_output else []
+    long_measured = [m for m in measured if m in LONG_OUTPUT_METHODS] if long_inputs else []
     report = {"machine": machine(pair), "args": {k: sorted(v) if isinstance(v, set) else v for k, v in vars(args).items()},
               "methods": names, "retrieval": asdict(retrieval), "draft": asdict(draft),
               "prefill_dtype": str(prefill_dtype(pair.target, args.bf16_prefill)).replace("torch.", "")}
     bar = progress(total=(len(measured) * (1 + len(inputs) * args.repeats) if inputs else 0) + len(sweeps) * args.repeats
-                   + n_needles)
+                   + n_needles + len(long_measured) * (1 + len(long_inputs) * args.repeats))
 
     runs, references = [], {}
     for name in measured if inputs else ():  # warm-up: every method once on a short input
@@ -90,15 +94,11 @@ def run(args, progress) -> dict:
     for item in inputs:
         where = f"{item['document']} at {len(item['prompt'])} tokens"
         for repeat in range(args.repeats):
-            shift = repeat % len(measured)  # alternate the order of methods between repeats
-            for name in measured[shift:] + measured[:shift]:
+            for name in rotated(measured, repeat):  # alternate the order of methods between repeats
                 bar.set_description(f"{len(item['prompt'])} tok {item['document'][:16]} {name}")
                 result = run_method(pair, item["prompt"], name, configs[name], args.max_new_tokens, eos)
                 key = (item["document"], item["length"], reader(name, args.bf16_prefill))
-                if key in references:
-                    check_same(references[key], name, result["token_ids"], where)
-                else:
-                    references[key] = (name, result["token_ids"])
+                check_or_keep(references, key, name, result["token_ids"], where)
                 runs.append({"method": name, "document": item["document"], "length": item["length"], "repeat": repeat,
                              "prompt_tokens": len(item["prompt"]), **result})
                 bar.update()
@@ -137,9 +137,34 @@ def run(args, progress) -> dict:
             bar.update()
         report["needle"] = NeedleSection(args.needle_tokens, args.needle_answer_tokens, list(texts),
                                          NeedleSummary.of(cases, signals), cases)
+
+    if long_measured:  # a short prompt, a long output: tokens per step along the output, speed over the target alone
+        report["long_output"] = long_output(pair, tokenizer, long_inputs, long_measured, configs, args, bar)
     bar.close()
     report["machine"]["load_average_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     return report
+
+
+def long_output(pair: ModelPair, tokenizer, inputs: list[dict], measured: list[str], configs: dict, args, bar):
+    """The long-output section: a warm-up of every method, then every method on every short prompt and repeat, the
+    order rotated each round; greedy outputs checked equal per prompt."""
+    configs = {name: configs[name].replace(max_new_tokens=args.long_output_tokens) for name in measured}
+    for name in measured:
+        bar.set_description(f"warm-up long output {name}")
+        run_engine(pair, inputs[0]["prompt"], configs[name].replace(max_new_tokens=8))
+        bar.update()
+    runs, references = [], {}
+    for turn, (item, repeat) in enumerate((i, r) for i in inputs for r in range(args.repeats)):
+        where = f"long output from {item['document']} ({len(item['prompt'])} prompt tokens)"
+        for name in rotated(measured, turn):
+            bar.set_description(f"long output {item['document'][:16]} {name}")
+            result = run_engine(pair, item["prompt"], configs[name], args.long_output_window)
+            check_or_keep(references, item["document"], name, result["token_ids"], where)
+            runs.append({"method": name, "prompt": item["document"], "repeat": repeat,
+                         "prompt_tokens": len(item["prompt"]), **result})
+            bar.update()
+    outputs = {key: tokenizer.decode(ids, skip_special_tokens=True) for key, (_, ids) in references.items()}
+    return long_output_section(runs, measured, args.long_output_tokens, args.long_output_window, outputs)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -178,6 +203,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--needle-docs", nargs="+", default=None, metavar="FILE",
                    help="UTF-8 text files to plant needles in instead of the bundled documents ('bundled' adds those)")
     p.add_argument("--skip", default="", help="comma list of sections to skip: grid, sweep, needle")
+    p.add_argument("--long-output", action="store_true",
+                   help="add the long-output section: a short prompt, a long generation, for "
+                        + ", ".join(LONG_OUTPUT_METHODS) + " (those in --methods)")
+    p.add_argument("--long-output-tokens", type=int, default=LONG_OUTPUT_TOKENS,
+                   help="new tokens per long output (a run may end earlier at an end token)")
+    p.add_argument("--long-output-window", type=int, default=256, help="output positions per window of the table")
+    p.add_argument("--long-output-prompts", nargs="+", default=None, metavar="FILE",
+                   help="UTF-8 text files, each a short prompt, with the instruction "
+                        f"{prompting.LONG_OUTPUT_INSTRUCTION!r} (default: the bundled short prompts)")
     return p
 
 
@@ -194,6 +228,10 @@ def parse(argv=None) -> argparse.Namespace:
     args.skip = set(filter(None, args.skip.split(",")))
     if args.repeats < 1 or args.docs < 1 or args.needles < 0:
         raise ValueError("--repeats and --docs must be at least 1, --needles at least 0")
+    if args.long_output_tokens < 1 or args.long_output_window < 1:
+        raise ValueError("--long-output-tokens and --long-output-window must be at least 1")
+    if args.long_output_prompts and not args.long_output:
+        raise ValueError("--long-output-prompts names the long-output section's prompts: add --long-output")
     return args
 
 
@@ -223,7 +261,9 @@ def main(argv=None) -> int:
     for error in errors + ([] if report["png"] == "written" else [f"PNG figures {report['png']}"]):
         print(f"warning: {error} (the numbers are saved: {Path(args.out) / 'bench.json'})", file=sys.stderr)
     print(table(report))
-    print(json.dumps(plain({k: v for k, v in report.items() if k != "runs" and k != "needle"}
-                           | {"needle": report.get("needle") and report["needle"].summary, "out": str(args.out)})))
+    print(json.dumps(plain({k: v for k, v in report.items() if k not in ("runs", "needle", "long_output")}
+                           | {"needle": report.get("needle") and report["needle"].summary,
+                              "long_output": report.get("long_output") and report["long_output"].rows,
+                              "out": str(args.out)})))
     return 0
 

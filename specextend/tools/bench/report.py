@@ -62,10 +62,14 @@ def write_outputs(report: dict, out: Path) -> list[str]:
     computed is on disk before any figure is tried, and the JSON is written again with the figures' files."""
     out.mkdir(parents=True, exist_ok=True)
     write_csv(report["cells"], out / "bench.csv")
+    files = ["bench.json", "bench.csv", "bench.md"]
     if report.get("sweep"):
         write_csv(report["sweep"], out / "sweep.csv")
+        files.append("sweep.csv")
+    if report.get("long_output"):
+        write_csv(report["long_output"].rows, out / "long_output.csv")
+        files.append("long_output.csv")
     (out / "bench.md").write_text(markdown(report))
-    files = ["bench.json", "bench.csv", "bench.md"] + (["sweep.csv"] if report.get("sweep") else [])
     report.update(files=files, png="not tried yet: the figures come after the numbers", figure_errors=[])
     write_json(report, out)
     errors = report["figure_errors"]
@@ -116,6 +120,27 @@ def ratio(s: Spread | None) -> str:
     return "-" if not s else f"{s.median:.2f}x"
 
 
+def ratios(s: Spread | None) -> str:
+    """A spread of speedups as 'median x [min-max]'."""
+    return "-" if not s else f"{s.median:.2f}x [{s.min:.2f}-{s.max:.2f}]"
+
+
+def per_step(s: Spread | None, runs: int) -> str:
+    """A window's median tokens per step, with how many runs reached it when not all did."""
+    return "-" if not s else f"{s.median:.2f}" + (f" ({s.n})" if s.n < runs else "")
+
+
+def long_output_table(section) -> tuple[list[str], list[list[str]]]:
+    """The long-output table as a header and rows of cells: per method, median tokens per step in each window of
+    output positions, output length, decode tokens/s, and decode speedup over the target alone."""
+    labels = list(dict.fromkeys(k for r in section.rows for k in r.windows))
+    header = ["method", *labels, "new tokens", "decode tok/s", "x AR (decode)"]
+    rows = [[r.method, *(per_step(r.windows.get(k), r.new_tokens.n) for k in labels),
+             f"{r.new_tokens.median:.0f} [{r.new_tokens.min:.0f}-{r.new_tokens.max:.0f}]", fmt(r.decode_tokens_per_s),
+             ratios(r.decode_speedup_vs_autoregressive)] for r in section.rows]
+    return header, rows
+
+
 def by_source(split: dict | None) -> str:
     """Tokens per step by who proposed them, as 'draft / lookup / both / target'."""
     return "-" if not split else " / ".join(f"{v:.2f}" for v in split.values())
@@ -162,6 +187,15 @@ def markdown(report: dict) -> str:
                     reader, f"CMR, {reader} signal" + (f" ({names[reader]})" if names.get(reader, reader) != reader else ""))
                 lines.append(f"| {verb}: {label} | {value:.0%} | "
                              + " | ".join(f"{getattr(summary.by_depth[d], key)[reader]:.0%}" for d in depths) + " |")
+    if report.get("long_output"):
+        section = report["long_output"]
+        header, rows = long_output_table(section)
+        lines += ["", f"**Long outputs**: up to {section.max_new_tokens} new tokens from {len(section.prompts)} short "
+                  f"prompts ({', '.join(section.prompts)}). Tokens per step in each window of {section.window} output "
+                  "positions (median over runs; (n): the runs that reached it, when not all did); new tokens, decode "
+                  "tokens/s and the decode speedup over the target alone on the same prompt: median [min-max]", "",
+                  "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
     if report.get("sweep"):
         lines += ["", f"**Retrieval settings**: specextend on {report['sweep_input']}", "",
                   "| setting | decode tok/s | e2e tok/s | mean accepted | CMR share | retrievals |", "|---|---|---|---|---|---|"]
@@ -172,8 +206,10 @@ def markdown(report: dict) -> str:
 
 
 def table(report: dict) -> str:
+    """The console's table: the grid (when it ran), one line per needle and sweep row, the long-output table, the
+    goals."""
     lines = [f"{'tokens':>6} {'method':<31} {'decode tok/s':>20} {'e2e tok/s':>18} {'xAR':>6} {'xspec':>6} "
-             f"{'xHF':>6} {'xHFPL':>6} {'accepted':>17} {'CMR share':>9}"]
+             f"{'xHF':>6} {'xHFPL':>6} {'accepted':>17} {'CMR share':>9}"] if report["cells"] else []
     for r in report["cells"]:
         share = r.cmr_overhead_share
         name = r.method + (f" (={r.same_as})" if r.same_as else "")
@@ -189,6 +225,14 @@ def table(report: dict) -> str:
     for s in report.get("sweep") or []:
         lines.append(f"sweep {s.setting:<44} decode {fmt(s.decode_tokens_per_s)} tok/s, "
                      f"accepted {fmt(s.mean_accepted, 2)}, CMR share {s.cmr_overhead_share.median:.1%}")
+    if report.get("long_output"):
+        section = report["long_output"]
+        header, rows = long_output_table(section)
+        widths = [max(len(x) for x in column) for column in zip(header, *rows)]
+        lines.append(f"long output: tokens per step by window of {section.window} new tokens, "
+                     f"{len(section.prompts)} prompts")
+        lines += [" ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths)))
+                  for row in [header, *rows]]
     for g in report["goals"]:
         value = "-" if g.value is None else f"{g.value:.3g}"
         lines.append(f"goal: {g.goal}: {value} (target {g.target}) {'met' if g.met else 'MISSED'}")

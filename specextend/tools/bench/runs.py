@@ -13,7 +13,7 @@ import torch
 from ...config import GenerationConfig
 from ...engine import generate
 from ...events import Finished
-from ...metrics import PHASES, summarize
+from ...metrics import PHASES, summarize, tokens_per_step_by_window
 from ...models import ModelPair
 from .inputs import ASSISTED, BASELINES, GreedyMismatch, HF_LOOKUP_TOKENS, PROMPT_LOOKUP
 
@@ -58,16 +58,19 @@ def run_peer(pair: ModelPair, prompt: list[int], config: GenerationConfig, name:
             "e2e_tokens_per_s": len(new) / (last_t - start), "mean_accepted": len(new) / len(steps),
             "acceptance_by_position": None, "phase_seconds": None, "cmr_overhead_share": None, "steps": len(steps),
             "retrievals": None, "stop_reason": "eos" if eos and new[-1] in eos else "max_new_tokens",
-            "tokens_by_source": None}
+            "tokens_by_source": None, "windows": None}
 
 
-def run_engine(pair: ModelPair, prompt: list[int], config: GenerationConfig) -> dict:
+def run_engine(pair: ModelPair, prompt: list[int], config: GenerationConfig, window: int = 256) -> dict:
+    """One engine run: its output, its summary figures, and its tokens per step by windows of `window` output
+    positions (metrics.tokens_per_step_by_window)."""
     trace = list(generate(pair, prompt, config))
     finished = trace[-1]
     assert isinstance(finished, Finished)
     s = summarize(trace)
     # mean_accepted None without steps, so medians skip a run that never stepped
-    return {"token_ids": list(finished.token_ids), **s.figures(), "mean_accepted": s.mean_accepted if s.steps else None}
+    return {"token_ids": list(finished.token_ids), **s.figures(), "mean_accepted": s.mean_accepted if s.steps else None,
+            "windows": tokens_per_step_by_window(trace, window)}
 
 
 def run_method(pair: ModelPair, prompt: list[int], name: str, config: GenerationConfig | None, max_new_tokens: int,
@@ -75,6 +78,13 @@ def run_method(pair: ModelPair, prompt: list[int], name: str, config: Generation
     if config is None:
         return run_peer(pair, prompt, GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos), name)
     return run_engine(pair, prompt, config)
+
+
+def rotated(names: list[str], turn: int) -> list[str]:
+    """The methods in the order of the `turn`-th round on the same inputs: shifted by one a round, so that no method
+    always runs first."""
+    shift = turn % len(names)
+    return names[shift:] + names[:shift]
 
 
 def check_same(reference: tuple[str, list[int]], name: str, ids: list[int], where: str) -> None:
@@ -86,6 +96,14 @@ def check_same(reference: tuple[str, list[int]], name: str, ids: list[int], wher
     show = lambda seq: seq[pos] if pos < len(seq) else "end"  # noqa: E731
     raise GreedyMismatch(f"{where}: the greedy output of {name!r} differs from {ref_name!r} at new token {pos} "
                          f"({name}: {show(ids)}, {ref_name}: {show(ref)}); outputs must be identical")
+
+
+def check_or_keep(references: dict, key, name: str, ids: list[int], where: str) -> None:
+    """check_same against the first output kept under `key`; the first output under a key becomes its reference."""
+    if key in references:
+        check_same(references[key], name, ids, where)
+    else:
+        references[key] = (name, ids)
 
 
 # ---------------------------------------------------------------- folds

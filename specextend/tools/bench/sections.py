@@ -1,5 +1,6 @@
-"""The benchmark's two other sections: needle retrieval (the paper's Table 1: does each working cache hold a
-planted needle, and can the draft alone answer from it) and the sweep of retrieval settings (Table 5)."""
+"""The benchmark's other sections: needle retrieval (the paper's Table 1: does each working cache hold a planted
+needle, and can the draft alone answer from it), the sweep of retrieval settings (Table 5), and long outputs (a short
+prompt, thousands of new tokens: tokens per step along the output, speed over the target alone)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from ...engine import generate
 from ...feature_drafting import FeatureDrafter
 from ...heads import EagleHead
 from ...methods import DraftCache
+from ...metrics import Window
 from ...models import ModelPair
 from ...retrieval import make_policy
 from ...signal import resolve
@@ -205,3 +207,87 @@ def sweep_row(setting: str, config: RetrievalConfig, results: list[dict]) -> Swe
     return SweepRow(setting, config, **{f: Spread.of([r[f] for r in results]) for f in
                                         ("decode_tokens_per_s", "e2e_tokens_per_s", "mean_accepted", "cmr_overhead_share",
                                          "retrievals")})
+
+
+
+# ---------------------------------------------------------------- long outputs
+
+
+@dataclass(frozen=True)
+class LongOutputRun:
+    """One method on one short prompt: how long its output ran and why it stopped, its speed, its tokens per step by
+    window of output positions, and its speed over the target alone on the same prompt and repeat (None without one)."""
+
+    method: str
+    prompt: str
+    repeat: int
+    prompt_tokens: int
+    new_tokens: int
+    stop_reason: str
+    decode_tokens_per_s: float
+    e2e_tokens_per_s: float
+    mean_accepted: float | None
+    decode_speedup_vs_autoregressive: float | None
+    e2e_speedup_vs_autoregressive: float | None
+    windows: list[Window]
+    tokens_by_source: dict[str, int]
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class LongOutputRow:
+    """One method over every prompt and repeat: tokens per step per window (keyed 'start-end'; a run that stopped
+    early has no later windows), output length, speeds and speedups over the target alone (paired by run)."""
+
+    method: str
+    new_tokens: Spread
+    stopped_at_eos: int  # runs that ended at an end token before the limit
+    windows: dict[str, Spread]
+    mean_accepted: Spread | None
+    decode_tokens_per_s: Spread
+    e2e_tokens_per_s: Spread
+    decode_speedup_vs_autoregressive: Spread | None
+    e2e_speedup_vs_autoregressive: Spread | None
+
+
+@dataclass(frozen=True)
+class LongOutputSection:
+    """The long-output section of a report: the limit and window, the prompts, a row per method, every run, and
+    each prompt's output as text (the same for every method: greedy outputs are checked equal)."""
+
+    max_new_tokens: int
+    window: int
+    prompts: list[str]
+    rows: list[LongOutputRow]
+    runs: list[LongOutputRun]
+    outputs: dict[str, str]
+
+
+def long_output_section(runs: list[dict], names: list[str], max_new_tokens: int, window: int,
+                        outputs: dict[str, str]) -> LongOutputSection:
+    """The section from the runs (dicts of run_engine's figures with method, prompt, repeat and prompt_tokens):
+    speedups paired with the target alone's run on the same prompt and repeat, then one row per method."""
+    alone = {(r["prompt"], r["repeat"]): r for r in runs if r["method"] == "autoregressive"}
+
+    def over(r: dict, field: str) -> float | None:
+        base = alone.get((r["prompt"], r["repeat"]))
+        return r[field] / base[field] if base and base[field] else None
+
+    done = [LongOutputRun(r["method"], r["prompt"], r["repeat"], r["prompt_tokens"], len(r["token_ids"]),
+                          r["stop_reason"], r["decode_tokens_per_s"], r["e2e_tokens_per_s"], r["mean_accepted"],
+                          over(r, "decode_tokens_per_s"), over(r, "e2e_tokens_per_s"), r["windows"],
+                          r["tokens_by_source"], r["token_ids"]) for r in runs]
+    rows = []
+    for name in names:
+        mine = [r for r in done if r.method == name]
+        if not mine:
+            continue
+        starts = sorted({w.start for r in mine for w in r.windows})
+        windows = {f"{s}-{s + window}": Spread.of([w.per_step for r in mine for w in r.windows if w.start == s])
+                   for s in starts}
+        rows.append(LongOutputRow(
+            name, Spread.of([r.new_tokens for r in mine]), sum(r.stop_reason == "eos" for r in mine), windows,
+            **{f: Spread.of([getattr(r, f) for r in mine]) for f in
+               ("mean_accepted", "decode_tokens_per_s", "e2e_tokens_per_s", "decode_speedup_vs_autoregressive",
+                "e2e_speedup_vs_autoregressive")}))
+    return LongOutputSection(max_new_tokens, window, list(dict.fromkeys(r.prompt for r in done)), rows, done, outputs)
