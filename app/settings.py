@@ -57,7 +57,8 @@ PRESETS = {p.key: p for p in (
                "Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
     PairChoice("llama-3.1-8b", "Llama-3.1-8B-Instruct target + Llama-3.2-1B-Instruct draft (GPU, gated)",
                "meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.2-1B-Instruct"),
-    PairChoice("qwen3-8b", "Qwen3-8B target + Qwen3-0.6B draft (GPU)", "Qwen/Qwen3-8B", "Qwen/Qwen3-0.6B"),
+    PairChoice("qwen3-8b", "Qwen3-8B target + Qwen3-0.6B draft (GPU; thinks on a long output)", "Qwen/Qwen3-8B",
+               "Qwen/Qwen3-0.6B"),
     PairChoice("vicuna-7b-16k", "Vicuna-7B-v1.5-16K target + Vicuna-68M draft (GPU, the paper's kind of pair)",
                "lmsys/vicuna-7b-v1.5-16k", "double7/vicuna-68m"),
     # the paper's EAGLE pairs (its authors' heads) and a published Qwen3-8B EAGLE-3 head
@@ -65,9 +66,11 @@ PRESETS = {p.key: p for p in (
                "meta-llama/Llama-3.1-8B-Instruct", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"),
     PairChoice("vicuna-7b-eagle", "Vicuna-7B-v1.3 target + its EAGLE head (GPU)", "lmsys/vicuna-7b-v1.3",
                "yuhuili/EAGLE-Vicuna-7B-v1.3"),
-    PairChoice("deepseek-r1-llama-8b-eagle3", "DeepSeek-R1-Distill-Llama-8B target + its EAGLE-3 head (GPU)",
+    PairChoice("deepseek-r1-llama-8b-eagle3",
+               "DeepSeek-R1-Distill-Llama-8B target + its EAGLE-3 head (GPU; thinks: the paper's long-output pair)",
                "deepseek-ai/DeepSeek-R1-Distill-Llama-8B", "yuhuili/EAGLE3-DeepSeek-R1-Distill-LLaMA-8B"),
-    PairChoice("qwen3-8b-eagle3", "Qwen3-8B target + an EAGLE-3 head (GPU)", "Qwen/Qwen3-8B", "Tengyunw/qwen3_8b_eagle3"),
+    PairChoice("qwen3-8b-eagle3", "Qwen3-8B target + an EAGLE-3 head (GPU; thinks on a long output)", "Qwen/Qwen3-8B",
+               "Tengyunw/qwen3_8b_eagle3"),
 )}
 
 
