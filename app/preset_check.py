@@ -1,5 +1,6 @@
 """Preset check: `python -m app.preset_check [--shrink] [--out DIR]`, the app's own run handler on random-init pairs
-in each GPU preset's shapes, one request each (a race of SpecExtend, speculative decoding and the target alone).
+in each GPU preset's shapes, one request each (a race of SpecExtend, speculative decoding and the target alone), on a
+long document or (`--long-output`) a short prompt written on at length.
 
 No weights travel: each preset's target and draft are built from their published shapes (families, widths, heads,
 rope scaling, embedding rows) with random weights, over a word tokenizer with as many ids as the pair shares, and
@@ -161,7 +162,8 @@ def factory_for(shrink: bool, device: torch.device, dtype: torch.dtype, timings:
     return factory
 
 
-def run(shrink: bool, tokens: int, max_new: int, presets: list[str]) -> list[dict]:
+def run(shrink: bool, tokens: int, max_new: int, presets: list[str], workload: str = "document") -> list[dict]:
+    """One race per preset through `Studio.run`; `workload` "long_output" asks for a long output from a short prompt."""
     from .ui import KNOB_NAMES, SessionState, Studio
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -179,11 +181,11 @@ def run(shrink: bool, tokens: int, max_new: int, presets: list[str]) -> list[dic
         state = SessionState()
         start = time.perf_counter()
         *_, last = studio.run(state, document, "w5 w6 w7", key, "specextend", ["speculative", "autoregressive"],
-                              "0.3", *values)
+                              "0.3", *values, workload=workload)
         job = state.job
         outputs = {m: list(events[-1].token_ids) for m, events in job.runs.items() if hasattr(events[-1], "token_ids")}
         results.append({
-            "preset": key, "error": job.error, "build_s": round(timings.get(key, 0.0), 2),
+            "preset": key, "workload": workload, "error": job.error, "build_s": round(timings.get(key, 0.0), 2),
             "run_s": round(time.perf_counter() - start, 2), "prompt_tokens": len(job.prompt.ids) if job.prompt else 0,
             "methods": sorted(outputs), "new_tokens": {m: len(ids) for m, ids in outputs.items()},
             "draft": next((e.draft_name for e in job.runs.get("specextend", ()) if hasattr(e, "draft_name")), ""),
@@ -198,12 +200,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m app.preset_check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shrink", action="store_true", help="two narrow layers per model (CPU, seconds)")
-    p.add_argument("--tokens", type=int, default=8000, help="document length in words (one token each)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--tokens", type=int, help="document length in words (one token each; default 8000, 64 with "
+                                              "--long-output)")
+    p.add_argument("--max-new-tokens", type=int, help="default 32 (2048 with --long-output)")
+    p.add_argument("--long-output", action="store_true", help="the long-output workload: a short prompt, a long output")
     p.add_argument("--presets", default=",".join(SHAPES), help="comma-separated preset names")
     p.add_argument("--out", type=Path, default=Path("results/preset_check"))
     args = p.parse_args(argv)
-    results = run(args.shrink, args.tokens, args.max_new_tokens, [k.strip() for k in args.presets.split(",")])
+    tokens, max_new = (64, 2048) if args.long_output else (8000, 32)
+    results = run(args.shrink, args.tokens or tokens, args.max_new_tokens or max_new,
+                  [k.strip() for k in args.presets.split(",")], "long_output" if args.long_output else "document")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "preset_check.json").write_text(json.dumps(results, indent=1))
     for r in results:

@@ -21,3 +21,11 @@ def test_every_preset_runs_through_the_apps_handler_and_its_methods_agree(tmp_pa
     assert drafts["qwen2.5-7b"] == "draft model"
     target, draft, _ = SHAPES["qwen2.5-7b"]
     assert target["rows"] > draft["rows"]  # the padded pair really is one
+
+
+def test_a_thinking_preset_writes_a_long_output_through_the_apps_handler(tmp_path):
+    assert main(["--shrink", "--long-output", "--max-new-tokens", "160", "--presets", "qwen3-8b-eagle3",
+                 "--out", str(tmp_path)]) == 0
+    (result,) = json.loads((tmp_path / "preset_check.json").read_text())
+    assert result["workload"] == "long_output" and result["outputs_agree"] and result["error"] == "", result
+    assert result["prompt_tokens"] < 150 and set(result["new_tokens"].values()) == {160}
