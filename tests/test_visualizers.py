@@ -77,7 +77,7 @@ def test_retrieval_heatmap_has_a_row_per_retrieval_and_outlines_the_working_cach
         assert [i for i, v in enumerate(row) if v == 2.0] == [i for i in r.selected if 0 < i < n - len(r.selected) + 1]
         assert far_chunks(r) == tuple(i for i, v in enumerate(row) if v == 2.0)
     assert any(far_chunks(r) for r in retrievals)  # the fake signal follows the output a third into the prompt
-    outlined = {c for shape in spec["layout"]["shapes"] if shape["type"] == "rect"
+    outlined = {c for shape in spec["layout"]["shapes"] if shape["type"] == "rect" and shape.get("name") != "output chunks"
                 for c in range(int(shape["x0"] + 0.5), int(shape["x1"] + 0.5))}
     assert outlined == set(latest.selected)
     green = {c for shape in spec["layout"]["shapes"] if shape["type"] == "rect" and shape["line"]["color"] == FAR
@@ -85,9 +85,13 @@ def test_retrieval_heatmap_has_a_row_per_retrieval_and_outlines_the_working_cach
     assert green == set(far_chunks(latest))
     # what each retrieval bought: draft tokens accepted per step until the next retrieval, at the right of its row
     verified = [e for e in events if isinstance(e, Verified)]
-    for text, r, nxt in zip(bought["text"], retrievals, [*retrievals[1:], None]):
+    rows = len(retrievals)
+    for i, (text, words, r, nxt) in enumerate(zip(bought["text"], bought["hovertext"], retrievals, [*retrievals[1:], None])):
         served = [v.num_accepted for v in verified if r.step < v.step <= (nxt.step if nxt else 10**9)]
-        assert text == (f"{sum(served) / len(served):.1f}" if served else "")
+        written = (rows - 1 - i) % 2 == 0  # 8 rows about 9 px tall: every other number, from the latest row back
+        assert text == (f"{sum(served) / len(served):.1f}" if served and written else "")
+        assert (f"accepted {sum(served) / len(served):.2f}" if served else "no step has read") in words
+    assert rows == 8 and sum(bool(t) for t in bought["text"]) >= 3
     assert bought["y"] == heat["y"]
     assert "chunk 0" in strip["text"][0][0] and "w100" in strip["text"][0][0]  # hover shows the chunk's text
     assert said["y"] == heat["y"] and said["hovertext"][-1].startswith(f"output after step {latest.step}")
@@ -155,8 +159,10 @@ def test_throughput_has_one_curve_per_method_ending_at_its_token_count():
     curves = [d for d in spec["data"] if d["type"] == "scatter"]
     assert [c["name"] for c in curves] == ["SpecExtend", "speculative (full draft cache)", "target alone"]
     assert all(c["y"][0] == 0 and c["y"][-1] == 60 for c in curves)
-    bars = {d["name"] for d in spec["data"] if d["type"] == "bar"}
+    bars = {d["name"] for d in spec["data"] if d["type"] == "bar" and d["xaxis"] == "x2"}
     assert bars == {"prefill", "drafting", "verification", "retrieval", "other"}
+    windows = [d["name"] for d in spec["data"] if d["type"] == "bar" and d["xaxis"] == "x3"]
+    assert windows == ["SpecExtend", "speculative (full draft cache)"]  # the target alone is the dashed 1.0 line
     table = throughput_html(runs)
     assert table.count("<tr>") == 4 and "speedup vs target alone" in table
     assert "speedup vs speculative (full draft cache)" in table and table.count("×") == 4  # two per other method

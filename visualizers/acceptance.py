@@ -1,17 +1,20 @@
 """Acceptance panel: what the draft proposed each step and how much of it the target kept.
 
-Top: one column per step; from the bottom up, the accepted draft tokens (green for the draft model's,
-violet for a lookup's copies), the bonus token the target added (gold), and the drafted tokens it did
-not keep (red). The headline splits the tokens per step by who proposed them and says when and why the draft sat
-out. Below: acceptance rate by draft position for each proposer (the draft, lookup), tokens committed per step,
-and the latest step's draft tree with its accepted path.
+Top: one column per step (the most recent CELL_STEPS of them); from the bottom up, the accepted draft tokens
+(green for the draft model's, violet for a lookup's copies), the bonus token the target added (gold), and the
+drafted tokens it did not keep (red). The headline splits the tokens per step by who proposed them and says when
+and why the draft sat out. Below: acceptance rate by draft position for each proposer (the draft, lookup), tokens
+committed per step (a bar per step, or past MAX_BARS steps the mean of each run of steps), and the latest step's
+draft tree with its accepted path. However many steps a run takes, the figure stays about the same size.
 Knows events; no gradio, no models.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from functools import lru_cache
+from itertools import accumulate
 from typing import Sequence
 
 from specextend.events import Drafted, Event, Verified
@@ -23,6 +26,9 @@ from .common import (
 )
 
 HOVER_STEPS = 200  # hover text is kept for the most recent steps only, so a redraw stays small
+CELL_STEPS = 300  # the most recent steps drawn as columns of cells
+MAX_BARS = 300  # past this many steps, the tokens-per-step bars are means over runs of consecutive steps
+MEAN_OF = 8  # the line over those bars: the mean of the last MEAN_OF bars' steps
 REJECTED, ACCEPTED, COPIED, BONUS = 1, 2, 3, 4
 CELL_SCALE = [
     [0.0, STATUS_COLORS["rejected"]], [0.24, STATUS_COLORS["rejected"]],
@@ -144,6 +150,32 @@ def per_step_words(events: Sequence[Event], name: str) -> str:
     return f"{sum(split.values()):.2f} tokens committed per step: {' + '.join(parts)}"
 
 
+def _length_traces(verified: Sequence[Verified], width: int) -> tuple[dict, dict]:
+    """Tokens committed per step as bars at their steps, or with `width` > 1 the mean of each run of `width`
+    consecutive steps as a bar `width` steps wide at the run's middle; and as a line, the mean over the last MEAN_OF
+    bars' steps at each bar."""
+    committed = [v.num_accepted + 1 for v in verified]
+    total = [0, *accumulate(committed)]  # total[i]: tokens committed by the first i steps
+    runs = [(i, min(i + width, len(verified))) for i in range(0, len(verified), width)]  # [first, end) step indices
+    back = MEAN_OF * width
+    mean = [(total[e] - total[max(0, e - back)]) / (e - max(0, e - back)) for _, e in runs]
+    line = {"type": "scatter", "mode": "lines", "y": mean, "xaxis": "x3", "yaxis": "y3",
+            "line": {"color": "#1d3557", "width": 2},
+            "hovertemplate": f"mean of the last {back} steps: %{{y:.2f}}<extra></extra>"}
+    bars = {"type": "bar", "xaxis": "x3", "yaxis": "y3", "marker": {"color": "#a8dadc"}}
+    if width == 1:
+        steps = [v.step for v in verified]
+        return ({**bars, "x": steps, "y": committed, "hovertemplate": "step %{x}: %{y} tokens committed<extra></extra>"},
+                {**line, "x": steps})
+    ends = [(verified[a].step, verified[e - 1].step) for a, e in runs]
+    middles = [(first + last) / 2 for first, last in ends]
+    return ({**bars, "x": middles, "y": [(total[e] - total[a]) / (e - a) for a, e in runs], "width": width,
+             "customdata": [list(pair) for pair in ends],
+             "hovertemplate": "steps %{customdata[0]}–%{customdata[1]}: %{y:.2f} tokens committed per step"
+                              "<extra></extra>"},
+            {**line, "x": middles})
+
+
 def acceptance_spec(events: Sequence[Event], decode: Decode) -> Spec:
     """The acceptance panel for one run, as a Plotly figure dict."""
     verified = of(events, Verified)
@@ -153,18 +185,18 @@ def acceptance_spec(events: Sequence[Event], decode: Decode) -> Spec:
         return message_spec("waiting for the first step")
     trees = {d.step: d for d in of(events, Drafted)}
     name = draft_name(events)
-    steps = [v.step for v in verified]
-    columns = [step_cells(trees.get(v.step), v) for v in verified]
+    shown = verified[-CELL_STEPS:]
+    columns = [step_cells(trees.get(v.step), v) for v in shown]
     height = max(len(c) for c in columns)
-    z = [[c[row] if row < len(c) else None for c in columns] for row in range(height)]
-    hover_from = len(verified) - HOVER_STEPS
+    z = [[c[row] if row < len(c) else None for c in columns] for row in range(height)]  # (cell row, step shown)
+    hover_from = len(shown) - HOVER_STEPS
     texts_by_step = [_cell_texts(trees.get(v.step), v, decode, name) if i >= hover_from else ()
-                     for i, v in enumerate(verified)]
+                     for i, v in enumerate(shown)]
     text = [[t[row] if row < len(t) else "" for t in texts_by_step] for row in range(height)]
     cells = {
-        "type": "heatmap", "x": steps, "y": list(range(1, height + 1)), "z": z, "text": text,
+        "type": "heatmap", "x": [v.step for v in shown], "y": list(range(1, height + 1)), "z": z, "text": text,
         "hovertemplate": "%{text}<extra></extra>", "colorscale": CELL_SCALE, "zmin": 1, "zmax": 4,
-        "showscale": False, "xgap": 1 if len(steps) <= 150 else 0, "ygap": 1,
+        "showscale": False, "xgap": 1 if len(shown) <= 150 else 0, "ygap": 1,
     }
 
     rate_bars = []
@@ -176,23 +208,16 @@ def acceptance_spec(events: Sequence[Event], decode: Decode) -> Spec:
             "hovertemplate": f"{who}, draft position %{{x}}: accepted in %{{y:.0%}} of the steps it proposed one "
                              "there<extra></extra>",
         })
-    committed = [v.num_accepted + 1 for v in verified]
-    window = 8
-    mean = [sum(committed[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(committed))]
-    length_bars = {
-        "type": "bar", "x": steps, "y": committed, "xaxis": "x3", "yaxis": "y3",
-        "marker": {"color": "#a8dadc"}, "hovertemplate": "step %{x}: %{y} tokens committed<extra></extra>",
-    }
-    length_mean = {
-        "type": "scatter", "mode": "lines", "x": steps, "y": mean, "xaxis": "x3", "yaxis": "y3",
-        "line": {"color": "#1d3557", "width": 2}, "hovertemplate": "mean of last 8 steps: %{y:.2f}<extra></extra>",
-    }
+    width = math.ceil(len(verified) / MAX_BARS)  # steps per bar
+    length_bars, length_mean = _length_traces(verified, width)
     data = [cells, *rate_bars, length_bars, length_mean]
     last = next((v for v in reversed(verified) if v.step in trees and trees[v.step].tokens), verified[-1])
     if last.step in trees:  # the latest step that drafted anything (the last step may have had no room)
         data += _tree_traces(trees[last.step], last, decode, {"xaxis": "x4", "yaxis": "y4"}, name)
 
-    headline = (f"{len(verified)} steps, one column each · {per_step_words(events, name)}<br>"
+    columns_are = (f"The last {len(shown):,} of {len(verified):,} steps, one column each" if len(shown) < len(verified)
+                   else f"{len(verified):,} steps, one column each")
+    headline = (f"{columns_are} · {per_step_words(events, name)}<br>"
                 f"<span style='font-size:12px'>green: the {name}'s tokens the target accepted · violet: "
                 "tokens a lookup copied, accepted · gold: the target's bonus token · red: drafted, not kept</span>")
     note = sat_out_note(events)
@@ -216,7 +241,7 @@ def acceptance_spec(events: Sequence[Event], decode: Decode) -> Spec:
         annotations=[
             {**sub, "x": 0.0, "text": "acceptance rate by draft position"
              + (f" (green: the {name}, violet: lookup)" if len(rate_bars) > 1 else "")},
-            {**sub, "x": 0.36, "text": "tokens committed per step"},
+            {**sub, "x": 0.36, "text": "tokens committed per step" + (f" (mean of each {width})" if width > 1 else "")},
             {**sub, "x": 0.72, "text": f"step {last.step}: draft tree and accepted path"},
         ],
         bargap=0.15,

@@ -9,6 +9,7 @@ build several times a second and to serialise. ``to_figure`` wraps one as a vali
 from __future__ import annotations
 
 import html
+import math
 from functools import lru_cache
 from typing import Any, Callable, Iterable, Sequence, TypeVar
 
@@ -40,31 +41,37 @@ def of(events: Iterable[Event], cls: type[E]) -> list[E]:
     return [e for e in events if isinstance(e, cls)]
 
 
+def started(events: Sequence[Event]) -> Started | None:
+    """The run's Started event (it comes first, so this reads no further than it)."""
+    return next((e for e in events if isinstance(e, Started)), None)
+
+
 def method_of(events: Sequence[Event]) -> str:
-    started = of(events, Started)
-    return started[0].method if started else ""
+    began = started(events)
+    return began.method if began else ""
 
 
 def draft_name(events: Sequence[Event]) -> str:
     """What proposed the run's draft tokens: "draft model", "EAGLE head" or "EAGLE-3 head"."""
-    started = of(events, Started)
-    return (started[0].draft_name if started else "") or "draft model"
+    began = started(events)
+    return (began.draft_name if began else "") or "draft model"
 
 
 def has_draft(events: Sequence[Event]) -> bool:
     """Whether a draft (a draft model or an EAGLE head) proposed in the run (not the target alone, not lookup alone)."""
-    started = of(events, Started)
-    return bool(started) and started[0].draft_layers > 0
+    began = started(events)
+    return began is not None and began.draft_layers > 0
 
 
 def prompt_ids(events: Sequence[Event]) -> tuple[int, ...]:
-    started = of(events, Started)
-    return started[0].prompt_ids if started else ()
+    began = started(events)
+    return began.prompt_ids if began else ()
 
 
 def stop_reason(events: Sequence[Event]) -> str:
-    finished = of(events, Finished)
-    return finished[-1].stop_reason if finished else "running"
+    """How the run ended (its last Finished event, read from the end), or "running"."""
+    finished = next((e for e in reversed(events) if isinstance(e, Finished)), None)
+    return finished.stop_reason if finished else "running"
 
 
 def accepted_kind(drafted: Drafted | None, node: int) -> str:
@@ -87,8 +94,8 @@ def by_source_html(events: Sequence[Event]) -> str:
 
 def gate_reason(events: Sequence[Event], drafted: Drafted) -> str:
     """Why the gate kept the draft out at this step: its recent accepted tokens per use against the threshold."""
-    started = of(events, Started)
-    lookup = (started[0].config.get("lookup") if started else None) or {}
+    began = started(events)
+    lookup = (began.config.get("lookup") if began else None) or {}
     gate = lookup.get("draft_gate") if isinstance(lookup, dict) else None
     recent = drafted.recent
     got = (f"its last {len(recent)} uses got {', '.join(map(str, recent))} token(s) accepted, "
@@ -172,11 +179,11 @@ def short_label(method: str) -> str:
 
 def lookup_on(events: Sequence[Event]) -> bool:
     """Whether lookup drafted in the run: lookup alone, or lookup branches added to a draft-model method."""
-    started = of(events, Started)
-    if not started:
+    began = started(events)
+    if began is None:
         return False
-    lookup = started[0].config.get("lookup")
-    return started[0].method == "lookup" or bool(isinstance(lookup, dict) and lookup.get("enabled"))
+    lookup = began.config.get("lookup")
+    return began.method == "lookup" or bool(isinstance(lookup, dict) and lookup.get("enabled"))
 
 
 def with_lookup(events: Sequence[Event], name: str) -> str:
@@ -229,6 +236,15 @@ def base_layout(height: int, **changes: Any) -> dict[str, Any]:
     }
     layout.update(changes)
     return layout
+
+
+def thinned(points: Sequence[E], most: int) -> list[E]:
+    """At most `most` of the points (`most` >= 2): every k-th from the first, and the last, so a curve of thousands of
+    steps draws at a bounded size with its ends exact."""
+    if len(points) <= most:
+        return list(points)
+    k = math.ceil((len(points) - 1) / (most - 1))
+    return [*points[:-1:k], points[-1]]
 
 
 def title(text: str) -> dict[str, Any]:

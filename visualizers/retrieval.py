@@ -1,15 +1,18 @@
-"""Retrieval panel: which chunks of the document the draft's working cache holds, and how that moves.
+"""Retrieval panel: which chunks of the sequence the draft's working cache holds, and how that moves.
 
-Top: the document as a strip of chunks coloured by the retrieval signal's latest score (square root, so
-the long tail shows), the chunks in the working cache outlined; chunks that reach back (kept, yet outside
-a recency window of the same size) get a green outline. Hovering a chunk shows its text. Bottom: one row
-per retrieval, one column per chunk, navy where the chunk was in the working cache, green where it
-reached back, with a mark per row whose hover reads the output so far and, at the right, the draft tokens
-the target accepted per step while that working cache served. A StreamingLLM run (no scores) shows the
-chunks its sink + recent window covers. `far_html` lists the reaching-back chunks with their text. Where a
-lookup's copies were accepted, a second strip row (violet) shows the chunks they were copied from, the latest
-outlined: CMR choosing what the draft reads beside lookup copying what the document already says; lookup
-drafting alone gets that row and one row per copying step below it. Knows events; no gradio, no models.
+Top: the sequence (the prompt, then the output so far) as a strip of chunks coloured by the retrieval signal's
+latest score (square root, so the long tail shows), the chunks in the working cache outlined; chunks that reach
+back (kept, yet outside a recency window of the same size) get a green outline. Hovering a chunk shows its text.
+Bottom: one row per retrieval, one column per chunk, navy where the chunk was in the working cache, green where it
+reached back, with a mark per row whose hover reads the output so far and, at the right, the draft tokens the
+target accepted per step while that working cache served. A StreamingLLM run (no scores) shows the chunks its
+sink + recent window covers. `far_html` lists the reaching-back chunks with their text. Where a lookup's copies
+were accepted, a second strip row (violet) shows the chunks they were copied from, the latest outlined: CMR
+choosing what the draft reads beside lookup copying what the document already says; lookup drafting alone gets
+that row and one row per copying step below it. The chunks of the model's own output (on a long output, most of
+them) are marked by a band between the strip and the heatmap. However long the run, the figure stays bounded: at
+most MAX_COLUMNS columns (chunks binned past that) and MAX_CELLS heatmap cells (the most recent retrievals that
+fit). Knows events; no gradio, no models.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import math
 from functools import lru_cache
 from typing import Sequence
 
-from specextend.events import Event, Prefilled, Retrieved, Verified
+from specextend.events import Drafted, Event, Prefilled, Retrieved, Verified
 from specextend.metrics import Yield, copies, new_tokens, retrieval_yield, tokens_by_source
 
 from .common import (
@@ -29,6 +32,10 @@ from .common import (
 
 MAX_COLUMNS = 400  # more chunks than this are binned so a redraw stays small
 MAX_ROWS = 240  # the most recent retrievals drawn in the heatmap
+MAX_CELLS = 24_000  # and no more rows than keep the heatmap within this many cells (fewer rows for a longer sequence)
+STRIP_TEXT = 40_000  # characters of chunk text the strip's hovers share (each gets at least 60, at most 280)
+OUTPUT_BAND = "#7d8597"  # the band under the strip's chunks of the model's own output
+GAP = 24  # pixels between the strip and the heatmap, where that band runs
 SELECTED = "#1d3557"
 OUTLINE = "#e63946"
 FAR = "#2a9d8f"  # kept chunks a recency window of the same size would not hold
@@ -49,6 +56,42 @@ def kept_chunks(r: Retrieved) -> tuple[int, ...]:
         return tuple(r.selected)
     grid = chunk_grid(r)
     return tuple(i for i, (s, e) in enumerate(grid) if any(a < e and s < b for a, b in r.kept_spans))
+
+
+def output_chunks(r: Retrieved, prompt_len: int) -> tuple[int, ...]:
+    """Chunk ids in the working cache that start at or past `prompt_len`: chunks of the model's own output."""
+    grid = chunk_grid(r)
+    return tuple(i for i in kept_chunks(r) if grid[i][0] >= prompt_len)
+
+
+def _first_output_chunk(grid: Sequence[tuple[int, int]], prompt_len: int) -> int | None:
+    """The first chunk that starts at or past the prompt's end (None while no chunk does)."""
+    return next((i for i, (s, _) in enumerate(grid) if s >= prompt_len), None) if prompt_len else None
+
+
+def _rows_that_fit(columns: int) -> int:
+    """How many of the most recent rows the heatmap draws at this many columns."""
+    return max(1, min(MAX_ROWS, MAX_CELLS // max(columns, 1)))
+
+
+def _label_every(n_rows: int) -> int:
+    """Every how many rows (counted back from the latest) the heatmap's numbers at the right are written, so that
+    they do not overlap: a row of the default panel is about min(260, 4 n + 40) / n pixels tall."""
+    return max(1, math.ceil(10 * n_rows / min(260, 4 * n_rows + 40)))
+
+
+def _yields(events: Sequence[Event], since: int = 0) -> dict[int, Yield]:
+    """What each retrieval at or after step `since` bought (metrics.retrieval_yield), by its step. Each retrieval's
+    steps follow it in the trace until the next retrieval, so each is folded with its own steps only: a fold over
+    the whole trace per retrieval would grow with the square of a long output's length."""
+    periods: list[list[Event]] = []
+    for e in events:
+        if isinstance(e, Retrieved):
+            if e.step >= since:
+                periods.append([e])
+        elif isinstance(e, (Drafted, Verified)) and periods:
+            periods[-1].append(e)
+    return {y.step: y for period in periods for y in retrieval_yield(period)}
 
 
 def changed(read: Retrieved | None, before: Retrieved | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -98,13 +141,18 @@ def _held_row(r: Retrieved, n: int, width: int) -> tuple[int | None, ...]:
     return tuple(_binned([(2 if i in far else 1 if i in held else 0) if i < size else None for i in range(n)], width))
 
 
-def _output_until(events: Sequence[Event], step: int) -> list[int]:
-    """The tokens generated by the end of `step` (0: the prefill's first token)."""
-    out = [e.first_token for e in of(events, Prefilled)]
-    for v in of(events, Verified):
-        if v.step > step:
-            break
-        out.extend(v.committed)
+def _output_tails(events: Sequence[Event], steps: Sequence[int], size: int = 16) -> dict[int, list[int]]:
+    """The last `size` tokens generated by the end of each of `steps` (0: the prefill's first token), in one pass."""
+    wanted = sorted(set(steps))
+    out: dict[int, list[int]] = {}
+    tail = [e.first_token for e in of(events, Prefilled)]
+    verified = iter(of(events, Verified))
+    v = next(verified, None)
+    for step in wanted:
+        while v is not None and v.step <= step:
+            tail = (tail + list(v.committed))[-size:]
+            v = next(verified, None)
+        out[step] = tail
     return out
 
 
@@ -118,21 +166,25 @@ def _binned(values: Sequence[float | None], width: int) -> list[float | None]:
     return out
 
 
-def _copy_row(events: Sequence[Event], size: int, n: int, sequence: Sequence[int], decode: Decode
-              ) -> tuple[list[int], list[str], tuple[int, tuple[int, ...]] | None]:
-    """Tokens a lookup copied from each of n chunks (accepted copies only), a hover per chunk, and the latest copy."""
+def _text_limit(columns: int) -> int:
+    """Characters of chunk text each of the strip's hovers shows, so that all of them share STRIP_TEXT."""
+    return max(60, min(280, STRIP_TEXT // max(columns, 1)))
+
+
+def _copy_row(found: Sequence[tuple[int, tuple[int, ...]]], size: int, n: int, columns: Sequence[int],
+              sequence: Sequence[int], decode: Decode) -> tuple[list[int], list[str]]:
+    """Tokens a lookup copied (`found`: metrics.copies) from each of n chunks, and a hover per column."""
     counts = [0] * n
-    found = copies(events)
     for _, origins in found:
         for p in origins:
             if p // size < n:
                 counts[p // size] += 1
     texts = []
-    for i in range(n):
+    for i in columns:
         s, e = i * size, min((i + 1) * size, len(sequence))
         texts.append(f"chunk {i} (tokens {s}–{e}): lookup copied {counts[i]} accepted token(s) from here"
-                     f"<br>{hover_text(decode(sequence[s:e]))}")
-    return counts, texts, (found[-1] if found else None)
+                     f"<br>{hover_text(decode(sequence[s:e]), limit=_text_limit(len(columns)))}")
+    return counts, texts
 
 
 def _copied_outline(latest: tuple[int, tuple[int, ...]] | None, size: int, width: int) -> list[dict]:
@@ -162,14 +214,16 @@ def lookup_spec(events: Sequence[Event], decode: Decode, chunk_size: int = 32) -
     prompt_len = len(prompt_ids(events))
     n = max(1, math.ceil(len(sequence) / chunk_size))
     width = max(1, math.ceil(n / MAX_COLUMNS))
-    counts, texts, latest = _copy_row(events, chunk_size, n, sequence, decode)
     columns = list(range(0, n, width))
+    found = copies(events)
+    latest = found[-1] if found else None
+    counts, texts = _copy_row(found, chunk_size, n, columns, sequence, decode)
     top = max(counts) or 1
     strip = {"type": "heatmap", "x": columns, "y": [1], "z": [_binned([c / top for c in counts], width)],
-             "text": [[texts[c] for c in columns]], "hovertemplate": "%{text}<extra></extra>",
+             "text": [texts], "hovertemplate": "%{text}<extra></extra>",
              "colorscale": [[0.0, "#f1f5f9"], [1.0, STATUS_COLORS["copied"]]], "zmin": 0.0, "zmax": 1.0,
              "showscale": False, "xgap": 1 if n <= 120 else 0, "yaxis": "y"}
-    shown = copies(events)[-MAX_ROWS:]
+    shown = found[-_rows_that_fit(len(columns)):]
     rows = []
     for _, origins in shown:
         held = {p // chunk_size for p in origins}
@@ -179,42 +233,61 @@ def lookup_spec(events: Sequence[Event], decode: Decode, chunk_size: int = 32) -
             "showscale": False, "xgap": 1 if n <= 120 else 0, "ygap": 1 if len(shown) <= 60 else 0,
             "hovertemplate": "step %{y} copied from chunk %{x}: %{z:.0f}<extra></extra>", "yaxis": "y2",
             "meta": {"stepOffset": 0}}  # a click on a row is that step
-    total = sum(len(o) for _, o in copies(events))
+    total = sum(len(o) for _, o in found)
     headline = (f"Lookup: {total} accepted token(s) copied, from {sum(c > 0 for c in counts)} of {n} chunks<br>"
                 f"<span style='font-size:12px'>{_copy_headline(latest, total, sequence, prompt_len, decode)}</span>")
-    return {"data": [strip, heat], "layout": _layout(events, headline, n, width, columns, len(shown), chunk_size,
+    first_output = math.ceil(prompt_len / chunk_size)
+    return {"data": [strip, heat], "layout": _layout(events, headline, width, columns, len(shown), chunk_size,
                                                      [r[0] for r in shown], _copied_outline(latest, chunk_size, width),
-                                                     [], rows_title="step that copied", strip_rows=(1,))}
+                                                     [], rows_title="step that copied", strip_rows=(1,),
+                                                     output_from=first_output if prompt_len and first_output < n else None)}
 
 
-def _layout(events: Sequence[Event], headline: str, n: int, width: int, columns: list[int], n_rows: int,
+def _output_marks(output_from: int, boundary: float, last: float, band: tuple[float, float]) -> tuple[dict, dict]:
+    """A band (paper y `band`) under the strip's chunks of the model's own output, from chunk `output_from` to x
+    `last`, and its label: on the band where the output is the wider part of the sequence, else left of it."""
+    shape = {"type": "rect", "name": "output chunks", "xref": "x", "yref": "paper", "x0": output_from - 0.5,
+             "x1": last, "y0": band[0], "y1": band[1], "fillcolor": OUTPUT_BAND,
+             "line": {"color": OUTPUT_BAND, "width": 0}}
+    on_band = last - boundary >= boundary
+    note = {"text": "the model's own output ▸", "xref": "x", "yref": "paper", "x": output_from - 0.5,
+            "y": sum(band) / 2, "xanchor": "left" if on_band else "right", "xshift": 4 if on_band else -4,
+            "yanchor": "middle", "showarrow": False, "font": {"size": 10, "color": "white" if on_band else OUTPUT_BAND}}
+    return shape, note
+
+
+def _layout(events: Sequence[Event], headline: str, width: int, columns: list[int], n_rows: int,
             chunk_size: int, row_ticks: list[int], shapes: list[dict], annotations: list[dict], rows_title: str,
-            strip_rows: tuple[int, ...], height: int | None = None, right: float = 0.5) -> dict:
-    """The panel's layout: the strip rows (0: CMR's chunks, 1: lookup's copies) over the history heatmap."""
+            strip_rows: tuple[int, ...], height: int | None = None, right: float = 0.5,
+            output_from: int | None = None) -> dict:
+    """The panel's layout: the strip rows (0: CMR's chunks, 1: lookup's copies) over the history heatmap; from chunk
+    `output_from` on, the chunks are the model's own output."""
     prompt_len = len(prompt_ids(events))
     seq_len = prompt_len + len(new_tokens(events))
+    height = height or 170 + 44 * (len(strip_rows) - 1) + min(260, 4 * n_rows + 40)
+    strip_share = 44 * len(strip_rows) / (height - 100)
+    gap = GAP / (height - 100)
     if 0 < prompt_len < seq_len:
         boundary = prompt_len / max(chunk_size, 1) - 0.5
         shapes = shapes + [{"type": "line", "xref": "x", "yref": "paper", "x0": boundary, "x1": boundary, "y0": 0,
                             "y1": 1, "line": {"color": "#52606d", "width": 1, "dash": "dot"}}]
-        annotations = annotations + [{"text": "output starts ▸", "xref": "x", "yref": "paper", "x": boundary, "y": 1.0,
-                                      "xanchor": "right", "yanchor": "bottom", "showarrow": False,
-                                      "font": {"size": 11}}]
+        if output_from is not None:
+            band = (1 - strip_share - gap + 4 / (height - 100), 1 - strip_share - 4 / (height - 100))  # in the gap
+            shape, note = _output_marks(output_from, boundary, columns[-1] + width / 2, band)
+            shapes, annotations = shapes + [shape], annotations + [note]
     if len(strip_rows) > 1:  # name the two rows at their left
         annotations = annotations + [{"text": name, "xref": "x", "yref": "y", "x": -1.0 * width, "y": row,
                                       "xanchor": "right", "showarrow": False, "font": {"size": 10, "color": "#52606d"}}
                                      for row, name in ((0, "CMR"), (1, "copied"))]
-    height = height or 170 + 44 * (len(strip_rows) - 1) + min(260, 4 * n_rows + 40)
-    strip_share = 44 * len(strip_rows) / (height - 100)
     return base_layout(
         height,
         title=title(headline),
         margin={"l": 56, "r": 16, "t": 60, "b": 40},
-        xaxis={"title": {"text": "chunk of the document (then of the output)"},
+        xaxis={"title": {"text": "chunk of the sequence (the prompt, then the output)"},
                "range": [-2.2 * width, columns[-1] + right * width], "anchor": "y2", "zeroline": False, "showgrid": False},
         yaxis={"domain": [1 - strip_share, 1.0], "visible": False, "range": [min(strip_rows) - 0.5, max(strip_rows) + 0.5],
                "fixedrange": True},
-        yaxis2={"domain": [0.0, 1 - strip_share - 0.08], "title": {"text": rows_title}, "autorange": "reversed",
+        yaxis2={"domain": [0.0, 1 - strip_share - gap], "title": {"text": rows_title}, "autorange": "reversed",
                 "anchor": "x", "zeroline": False, "showgrid": False,
                 **({"tickmode": "array", "tickvals": row_ticks} if n_rows <= 8 else {})},
         shapes=shapes,
@@ -247,33 +320,37 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
 
     latest = retrievals[-1]
     grid = chunk_grid(latest)
-    n = len(grid)
-    width = max(1, math.ceil(max(len(chunk_grid(r)) for r in retrievals) / MAX_COLUMNS))
+    n = len(grid)  # the sequence only grows: the latest retrieval has the most chunks
+    width = max(1, math.ceil(n / MAX_COLUMNS))  # chunks per column
+    columns = list(range(0, n, width))
     sequence = list(prompt_ids(events)) + new_tokens(events)
     prompt_len = len(prompt_ids(events))
+    output_from = _first_output_chunk(grid, prompt_len)
 
     scores: list[float | None] = list(latest.scores) if latest.scores else [None] * n
     top = max((s for s in scores if s is not None), default=0.0) or 1.0
     kept = set(kept_chunks(latest))
     far = set(far_chunks(latest))
+    from_output = output_chunks(latest, prompt_len)
+    limit = _text_limit(len(columns))
     texts = []
-    for i, (s, e) in enumerate(grid):
+    for i in columns:
+        s, e = grid[i]
         where = "output" if s >= prompt_len else "document"
         score = "" if scores[i] is None else f" · score {scores[i]:.4f}"
         held = " · <b>in working cache</b>" if i in kept else ""
         held += " · <b>reaches back</b> (a recency window would not hold it)" if i in far else ""
-        texts.append(f"chunk {i} ({where} tokens {s}–{e}){score}{held}<br>{hover_text(decode(sequence[s:e]))}")
+        texts.append(f"chunk {i} ({where} tokens {s}–{e}){score}{held}<br>{hover_text(decode(sequence[s:e]), limit=limit)}")
 
     strip_z = [None if s is None else math.sqrt(max(s, 0.0) / top) for s in scores]  # sqrt: attention is heavy-tailed
     if latest.policy == "streaming" or not latest.scores:
         strip_z = [1.0 if i in kept else 0.0 for i in range(n)]
-    columns = list(range(0, n, width))
     strip = {
         "type": "heatmap",
         "x": columns,
         "y": [0],
         "z": [_binned(strip_z, width)],
-        "text": [[texts[c] for c in columns]],
+        "text": [texts],
         "hovertemplate": "%{text}<extra></extra>",
         "colorscale": [[0.0, "#f1f5f9"], [1.0, "#f4a261"]],
         "zmin": 0.0,
@@ -283,8 +360,8 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
         "yaxis": "y",
     }
 
-    shown = retrievals[-MAX_ROWS:]
-    rows = [list(_held_row(r, n, width)) for r in shown]
+    shown = retrievals[-_rows_that_fit(len(columns)):]
+    rows = [list(_held_row(r, n, width)) for r in shown]  # (retrieval shown, column)
     heat = {
         "type": "heatmap",
         "x": columns,
@@ -300,21 +377,23 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
         "yaxis": "y2",
         "meta": NEXT_STEP,
     }
+    tails = _output_tails(events, [r.step for r in shown])
     said = {  # a mark left of each row: hover it to read what the output said by then
         "type": "scatter", "mode": "markers", "x": [-1.5 * width] * len(shown), "y": [r.step for r in shown],
         "yaxis": "y2", "marker": {"symbol": "triangle-right", "size": 8, "color": "#52606d"},
-        "hovertext": [f"output after step {r.step}: …{hover_text(decode(_output_until(events, r.step)[-16:]), limit=120)}"
-                      for r in shown],
+        "hovertext": [f"output after step {r.step}: …{hover_text(decode(tails[r.step]), limit=120)}" for r in shown],
         "hoverinfo": "text", "meta": NEXT_STEP,
     }
-    bought = {y.step: y for y in retrieval_yield(events)}
     right, data = 0.5, []
     if latest.scores:  # what each retrieval bought: the draft's own tokens accepted per step it drafted
         right = 3.5
         name = draft_name(events)
+        bought = _yields(events, since=shown[0].step)
+        every = _label_every(len(shown))
         data.append({"type": "scatter", "mode": "text", "x": [columns[-1] + 2.2 * width] * len(shown),
                      "y": [r.step for r in shown], "yaxis": "y2", "cliponaxis": False, "showlegend": False,
-                     "text": [_yield_mark(bought.get(r.step)) for r in shown],
+                     "text": [_yield_mark(bought.get(r.step)) if (len(shown) - 1 - i) % every == 0 else ""
+                              for i, r in enumerate(shown)],
                      "textfont": {"size": 10, "color": "#52606d"}, "hoverinfo": "text",
                      "hovertext": [_yield_words(bought.get(r.step), r.step, name) for r in shown]})
     data = [strip, heat, said, *data]
@@ -343,6 +422,7 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
         annotations.append({"text": f"▼ {html.escape(name)}", "xref": "x", "yref": "paper", "x": (first + last) / 2,
                             "y": 1.0, "yanchor": "bottom", "showarrow": False, "font": {"size": 11, "color": "#9a6700"}})
 
+    of_output = f", {len(from_output)} of them from the output" if output_from is not None else ""
     if latest.scores:
         # the attention sink (chunk 0) always scores high and is always kept: name the best chunk after it
         best = max(range(min(1, n - 1), n), key=lambda i: latest.scores[i] if i < len(latest.scores) else -1.0)
@@ -351,29 +431,30 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
         signal = f" ({latest.signal} signal)" if latest.signal else ""
         moved = f", +{len(added)} / −{len(dropped)} since step {retrievals[-2].step}" if len(retrievals) > 1 else ""
         headline = (f"Retrieval after step {latest.step}{signal}: {len(kept)} of {n} chunks in the draft's working cache "
-                    f"({latest.working_cache_len} tokens{moved}), <span style='color:{FAR}'>{len(far)} reaching back</span>"
+                    f"({latest.working_cache_len} tokens{moved}){of_output}, "
+                    f"<span style='color:{FAR}'>{len(far)} reaching back</span>"
                     f"<br><span style='font-size:12px'>after the sink, the signal scores chunk {best} highest: "
                     f"“{snippet}”</span>")
     else:
         headline = (f"StreamingLLM window after step {latest.step}: {latest.working_cache_len} tokens "
-                    f"({len(kept)} of {n} chunks)<br><span style='font-size:12px'>the attention sink plus the "
-                    "most recent tokens, whatever the output is about</span>")
+                    f"({len(kept)} of {n} chunks{of_output})<br><span style='font-size:12px'>the attention sink plus "
+                    "the most recent tokens, whatever the output is about</span>")
 
     strip_rows: tuple[int, ...] = (0,)
-    if copies(events):  # lookup's copies beside CMR's choice: two kinds of retrieval on one strip
+    found = copies(events)
+    if found:  # lookup's copies beside CMR's choice: two kinds of retrieval on one strip
         size = max(latest.chunk_size, 1)
-        counts, copy_texts, last_copy = _copy_row(events, size, n, sequence, decode)
+        counts, copy_texts = _copy_row(found, size, n, columns, sequence, decode)
         most = max(counts) or 1
-        data.append({**strip, "y": [1], "z": [_binned([c / most for c in counts], width)],
-                     "text": [[copy_texts[c] for c in columns]],
+        data.append({**strip, "y": [1], "z": [_binned([c / most for c in counts], width)], "text": [copy_texts],
                      "colorscale": [[0.0, "#f1f5f9"], [1.0, STATUS_COLORS["copied"]]]})
-        shapes += _copied_outline(last_copy, size, width)
-        total = sum(len(o) for _, o in copies(events))
-        headline += f"<br><span style='font-size:12px'>{_copy_headline(last_copy, total, sequence, prompt_len, decode)}</span>"
+        shapes += _copied_outline(found[-1], size, width)
+        total = sum(len(o) for _, o in found)
+        headline += f"<br><span style='font-size:12px'>{_copy_headline(found[-1], total, sequence, prompt_len, decode)}</span>"
         strip_rows = (0, 1)
-    layout = _layout(events, headline, n, width, columns, len(shown), latest.chunk_size, [r.step for r in shown], shapes,
+    layout = _layout(events, headline, width, columns, len(shown), latest.chunk_size, [r.step for r in shown], shapes,
                      annotations, rows_title="retrieval after step", strip_rows=strip_rows,
-                     height=height and height + 44 * (len(strip_rows) - 1), right=right)
+                     height=height and height + 44 * (len(strip_rows) - 1), right=right, output_from=output_from)
     if len(strip_rows) > 1:
         layout["margin"]["t"] = 76
     return {"data": data, "layout": layout}
@@ -399,26 +480,33 @@ def _yield_words(y: Yield | None, step: int, name: str) -> str:
 
 
 def far_html(events: Sequence[Event], decode: Decode, limit: int = 6) -> str:
-    """The chunks the latest CMR retrieval reached back for (best scored first, with their text), and what the
-    retrievals that reached back bought against those that did not."""
+    """The chunks the latest CMR retrieval reached back for (best scored first, with their text), how many of the
+    working cache's chunks are the model's own output, and what the retrievals that reached back bought against
+    those that did not."""
     retrievals = [r for r in of(events, Retrieved) if r.scores]
     if not retrievals:
         return ""
     latest = retrievals[-1]
     grid = chunk_grid(latest)
     sequence = list(prompt_ids(events)) + new_tokens(events)
+    prompt_len = len(prompt_ids(events))
     far = sorted(far_chunks(latest), key=lambda i: -latest.scores[i])
-    bought = {y.step: y for y in retrieval_yield(events)}
+    bought = _yields(events)
     reached = [bought[r.step] for r in retrievals if far_chunks(r) and r.step in bought]
     stayed = [bought[r.step] for r in retrievals if not far_chunks(r) and r.step in bought]
     name = draft_name(events)
-    lines = [f"<li><b>chunk {i}</b> (tokens {grid[i][0]:,}–{grid[i][1]:,}, score {latest.scores[i]:.4f}): "
+    lines = [f"<li><b>chunk {i}</b> ({'output ' if grid[i][0] >= prompt_len else ''}tokens {grid[i][0]:,}–{grid[i][1]:,}, "
+             f"score {latest.scores[i]:.4f}): "
              f"“{html.escape(hover_text(decode(sequence[grid[i][0]:grid[i][1]]), width=10_000, limit=160))}”</li>"
              for i in far[:limit]]
     more = f"<li>…and {len(far) - limit} more</li>" if len(far) > limit else ""
     head = (f"<b>Reaching back</b> after step {latest.step}: {len(far)} chunk(s) in the draft's working cache that a "
             "recency window of the same size would not hold" if far else
             f"<b>Reaching back</b> after step {latest.step}: none; the working cache is the sink and the newest chunks")
+    from_output = output_chunks(latest, prompt_len)
+    if from_output:
+        head += (f"; {len(from_output)} of the working cache's {len(kept_chunks(latest))} chunks are the model's own "
+                 "output")
     notes = []
     copied = tokens_by_source(events)["lookup"]
     if copied:

@@ -1,21 +1,26 @@
-"""Throughput panel: tokens generated against time for each run on the same input, and where time went.
+"""Throughput panel: tokens generated against time for each run on the same input, where time went, and how many
+tokens a step commits as the output grows.
 
-Left: one curve per method (flat at first while the prefill runs). Right: per-phase time of each run
-(prefill, drafting, verification, retrieval, the rest). ``throughput_html`` reads out tokens/s and the
-speedup over the target alone (or, failing that,
-standard speculative decoding). Knows events and metrics; no gradio, no models.
+Top left: one curve per method (flat at first while the prefill runs), at most MAX_POINTS points each. Top right:
+per-phase time of each run (prefill, drafting, verification, retrieval, the rest). Below: tokens committed per step
+in windows of output positions, one bar per drafting method and window, so a long output shows standard speculative
+decoding slowing as its draft reads ever more context and CMR holding up. ``throughput_html`` reads out tokens/s
+and the speedup over the target alone (or, failing that, standard speculative decoding). Knows events and metrics;
+no gradio, no models.
 """
 
 from __future__ import annotations
 
 import html
+import math
 from typing import Mapping, Sequence
 
 from specextend.events import Event
-from specextend.metrics import committed_curve, phase_seconds, summarize
+from specextend.metrics import committed_curve, phase_seconds, summarize, tokens_per_step_by_window
 
 from .common import (
-    Spec, base_layout, by_source_html, color, ending, label, message_spec, short_label, title, with_lookup,
+    Spec, base_layout, by_source_html, color, ending, label, message_spec, method_of, short_label, thinned, title,
+    with_lookup,
 )
 
 PHASE_COLORS = {
@@ -26,6 +31,9 @@ PHASE_COLORS = {
     "other": "#e9ecef",
 }
 REFERENCES = ("autoregressive", "speculative")  # speedups are read against each of these that ran
+MAX_POINTS = 500  # the most points a run's tokens-vs-time curve is drawn with
+WINDOW = 16  # the smallest window of output positions the tokens-per-step row averages over (doubled as needed)
+MAX_WINDOWS = 40  # the most windows the longest run's output is cut into
 
 
 def phase_breakdown(events: Sequence[Event]) -> dict[str, float]:
@@ -42,28 +50,64 @@ def phase_breakdown(events: Sequence[Event]) -> dict[str, float]:
     return out
 
 
+def window_size(output_len: int) -> int:
+    """The output positions per window of the tokens-per-step row: WINDOW doubled until `output_len` tokens make at
+    most MAX_WINDOWS windows (an 8,000-token output: 256)."""
+    size = WINDOW
+    while math.ceil(output_len / size) > MAX_WINDOWS:
+        size *= 2
+    return size
+
+
+def _window_bars(runs: Mapping[str, Sequence[Event]], size: int) -> list[dict]:
+    """Per drafting run, a bar per window of `size` output positions at the window's middle: its tokens per step
+    there. The target alone commits exactly one token a step; the row draws that as a line, not as bars."""
+    bars = []
+    for method, events in runs.items():
+        if method_of(events) == "autoregressive":
+            continue
+        windows = tokens_per_step_by_window(events, size)
+        name = with_lookup(events, label(method))
+        bars.append({
+            "type": "bar", "name": name, "x": [w.start + size / 2 for w in windows], "y": [w.per_step for w in windows],
+            "customdata": [[w.start, w.start + size, w.steps] for w in windows], "xaxis": "x3", "yaxis": "y3",
+            "offsetgroup": method, "marker": {"color": color(method)}, "showlegend": False,
+            "hovertemplate": f"{html.escape(name)}, output tokens %{{customdata[0]}}–%{{customdata[1]}}: "
+                             "%{y:.2f} tokens per step (%{customdata[2]} steps)<extra></extra>",
+        })
+    return bars
+
+
 def throughput_spec(runs: Mapping[str, Sequence[Event]], at: tuple[str, float, int] | None = None) -> Spec:
-    """Tokens-vs-time curves and per-phase bars for runs keyed by method, as a Plotly figure dict. `at` = (method,
-    seconds, tokens) marks one moment of one run (a step being looked at)."""
+    """Tokens-vs-time curves and per-phase bars for runs keyed by method, over tokens per step along the output, as a
+    Plotly figure dict. `at` = (method, seconds, tokens) marks one moment of one run (a step being looked at)."""
     runs = {m: ev for m, ev in runs.items() if ev}
     if not runs:
         return message_spec("run a generation to see its speed (tick race mode to compare methods)")
     data = []
+    longest = 0
     for method, events in runs.items():
         curve = [(0.0, 0)] + committed_curve(events)
+        longest = max(longest, curve[-1][1])
+        curve = thinned(curve, MAX_POINTS)  # a step-shaped curve: every k-th point keeps its shape, its ends exact
         data.append({
-            "type": "scatter", "mode": "lines", "name": with_lookup(events, label(method)), "x": [t for t, _ in curve],
+            "type": "scatter", "mode": "lines", "name": with_lookup(events, label(method)), "x": [round(t, 4) for t, _ in curve],
             "y": [n for _, n in curve], "line": {"color": color(method), "width": 3, "shape": "hv"},
             "hovertemplate": f"{html.escape(with_lookup(events, label(method)))}: %{{y}} tokens at %{{x:.2f}} s"
                              "<extra></extra>",
             "legend": "legend", "showlegend": True,
         })
-    shapes: list[dict] = []
+    size = window_size(longest)
+    # every step commits at least one token, so 1.0 is the floor and what the target alone gets at every length
+    shapes: list[dict] = [{"type": "line", "xref": "x3 domain", "yref": "y3", "x0": 0, "x1": 1, "y0": 1, "y1": 1,
+                           "line": {"color": color("autoregressive"), "width": 2, "dash": "dash"}}]
     marker: list[dict] = []
     if at is not None:
         method, seconds, tokens = at
-        shapes.append({"type": "line", "xref": "x", "yref": "paper", "x0": seconds, "x1": seconds, "y0": 0, "y1": 1,
+        shapes.append({"type": "line", "xref": "x", "yref": "y domain", "x0": seconds, "x1": seconds, "y0": 0, "y1": 1,
                        "line": {"color": color(method), "width": 1, "dash": "dot"}})
+        shapes.append({"type": "line", "xref": "x3", "yref": "y3 domain", "x0": tokens, "x1": tokens, "y0": 0, "y1": 1,
+                       "line": {"color": color(method), "width": 2, "dash": "dot"}})
         marker = [{"type": "scatter", "mode": "markers", "x": [seconds], "y": [tokens], "showlegend": False,
                    "marker": {"size": 11, "color": color(method), "line": {"color": "white", "width": 2}},
                    "hovertemplate": "the step shown: %{y} tokens at %{x:.2f} s<extra></extra>"}]
@@ -75,20 +119,35 @@ def throughput_spec(runs: Mapping[str, Sequence[Event]], at: tuple[str, float, i
             "marker": {"color": shade}, "xaxis": "x2", "yaxis": "y2", "legend": "legend2", "showlegend": True,
             "hovertemplate": f"{phase}: %{{x:.2f}} s<extra>%{{y}}</extra>",
         })
-    data += marker
+    windows = _window_bars(runs, size)
+    data += windows + marker
+    row = {"xref": "paper", "yref": "paper", "x": 0.0, "xanchor": "left", "showarrow": False, "font": {"size": 13}}
+    annotations = [
+        {**row, "y": 0.41, "yanchor": "bottom",
+         "text": f"Tokens per step as the output grows (windows of {size} output tokens) · dashed: the target alone, "
+                 "1 token per step"},
+    ]
+    if not windows:
+        annotations.append({**row, "x": 0.5, "xanchor": "center", "y": 0.18, "font": {"size": 12, "color": "#52606d"},
+                            "text": "race a drafting method beside the target alone to see its tokens per step"})
     layout = base_layout(
-        340,
+        600,
         title=title("Tokens generated over time (same input, same limit) · where each run spent its time"),
-        xaxis={"domain": [0, 0.55], "title": {"text": "seconds since the request started"}, "rangemode": "tozero"},
-        yaxis={"title": {"text": "tokens generated"}, "rangemode": "tozero"},
+        xaxis={"domain": [0, 0.55], "anchor": "y", "title": {"text": "seconds since the request started"},
+               "rangemode": "tozero"},
+        yaxis={"domain": [0.62, 1.0], "anchor": "x", "title": {"text": "tokens generated"}, "rangemode": "tozero"},
         xaxis2={"domain": [0.72, 1.0], "anchor": "y2", "title": {"text": "seconds"}, "rangemode": "tozero"},
-        yaxis2={"anchor": "x2", "automargin": True},
-        barmode="stack",
+        yaxis2={"domain": [0.62, 1.0], "anchor": "x2", "automargin": True},
+        xaxis3={"domain": [0, 1.0], "anchor": "y3", "title": {"text": "output position (tokens generated)"},
+                "range": [0, math.ceil(max(longest, 1) / size) * size]},
+        yaxis3={"domain": [0, 0.38], "anchor": "x3", "title": {"text": "tokens per step"}, "rangemode": "tozero"},
+        barmode="stack",  # the phases of a run stack; the windows' bars stand side by side (one offsetgroup per run)
         showlegend=True,
-        legend={"x": 0.01, "y": 0.99, "bgcolor": "rgba(255,255,255,0.8)"},
-        legend2={"orientation": "h", "x": 0.62, "y": -0.25, "xanchor": "left"},
-        margin={"l": 56, "r": 16, "t": 36, "b": 80},
+        legend={"x": 0.01, "y": 0.99, "bgcolor": "rgba(255,255,255,0.8)", "traceorder": "normal"},  # the race's order
+        legend2={"orientation": "h", "x": 0.62, "y": 0.5, "xanchor": "left", "yanchor": "top"},
+        margin={"l": 56, "r": 16, "t": 36, "b": 48},
         shapes=shapes,
+        annotations=annotations,
     )
     return {"data": data, "layout": layout}
 
