@@ -15,7 +15,8 @@ from specextend.metrics import retrieval_yield, tokens_per_step_by_window
 from visualizers import acceptance_spec, far_html, output_html, retrieval_spec, throughput_spec, to_figure
 from visualizers.acceptance import CELL_STEPS, MAX_BARS
 from visualizers.common import thinned
-from visualizers.retrieval import MAX_CELLS, _yields, kept_chunks, output_chunks
+from visualizers import output_chunks
+from visualizers.retrieval import MAX_CELLS, _yields, kept_chunks
 from visualizers.steps import as_of, moment
 from visualizers.throughput import MAX_POINTS, window_size
 
