@@ -22,7 +22,7 @@ import math
 from functools import lru_cache
 from typing import Sequence
 
-from specextend.events import Drafted, Event, Prefilled, Retrieved, Verified
+from specextend.events import Event, Prefilled, Retrieved, Verified
 from specextend.metrics import Yield, copies, new_tokens, retrieval_yield, tokens_by_source
 
 from .common import (
@@ -78,20 +78,6 @@ def _label_every(n_rows: int) -> int:
     """Every how many rows (counted back from the latest) the heatmap's numbers at the right are written, so that
     they do not overlap: a row of the default panel is about min(260, 4 n + 40) / n pixels tall."""
     return max(1, math.ceil(10 * n_rows / min(260, 4 * n_rows + 40)))
-
-
-def _yields(events: Sequence[Event], since: int = 0) -> dict[int, Yield]:
-    """What each retrieval at or after step `since` bought (metrics.retrieval_yield), by its step. Each retrieval's
-    steps follow it in the trace until the next retrieval, so each is folded with its own steps only: a fold over
-    the whole trace per retrieval would grow with the square of a long output's length."""
-    periods: list[list[Event]] = []
-    for e in events:
-        if isinstance(e, Retrieved):
-            if e.step >= since:
-                periods.append([e])
-        elif isinstance(e, (Drafted, Verified)) and periods:
-            periods[-1].append(e)
-    return {y.step: y for period in periods for y in retrieval_yield(period)}
 
 
 def changed(read: Retrieved | None, before: Retrieved | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -388,7 +374,7 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
     if latest.scores:  # what each retrieval bought: the draft's own tokens accepted per step it drafted
         right = 3.5
         name = draft_name(events)
-        bought = _yields(events, since=shown[0].step)
+        bought = {y.step: y for y in retrieval_yield(events)}
         every = _label_every(len(shown))
         data.append({"type": "scatter", "mode": "text", "x": [columns[-1] + 2.2 * width] * len(shown),
                      "y": [r.step for r in shown], "yaxis": "y2", "cliponaxis": False, "showlegend": False,
@@ -491,7 +477,7 @@ def far_html(events: Sequence[Event], decode: Decode, limit: int = 6) -> str:
     sequence = list(prompt_ids(events)) + new_tokens(events)
     prompt_len = len(prompt_ids(events))
     far = sorted(far_chunks(latest), key=lambda i: -latest.scores[i])
-    bought = _yields(events)
+    bought = {y.step: y for y in retrieval_yield(events)}
     reached = [bought[r.step] for r in retrievals if far_chunks(r) and r.step in bought]
     stayed = [bought[r.step] for r in retrievals if not far_chunks(r) and r.step in bought]
     name = draft_name(events)
