@@ -117,6 +117,9 @@ def test_a_race_draws_every_panel(studio_url, browser, engine):
     page.click("#run")
     page.wait_for_function("document.querySelector('#stepper') === null || "
                            "!document.querySelector('#stepper').checkVisibility()")
+    # the run has begun (its own progress replaced the click's "Starting"): on a busy machine the queue can take a while
+    page.wait_for_function("(s => s.length > 0 && !s.startsWith('Ready') && !s.startsWith('Starting'))"
+                           "(document.querySelector('#status').innerText)", timeout=120_000)
     page.click("#run")  # again, while the run goes: the page says so, and the run goes on
     page.wait_for_function("document.querySelector('#status').innerText.includes('A run is going')", timeout=30_000)
     page.wait_for_function("document.querySelector('#status').innerText.includes('Done.')", timeout=900_000)
