@@ -413,14 +413,13 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
         # the attention sink (chunk 0) always scores high and is always kept: name the best chunk after it
         best = max(range(min(1, n - 1), n), key=lambda i: latest.scores[i] if i < len(latest.scores) else -1.0)
         s, e = grid[best]
-        snippet = hover_text(decode(sequence[s:e]), width=1000, limit=60 if height else 90)
+        snippet = hover_text(decode(sequence[s:e]), width=1000, limit=40 if height else 64)
         signal = f" ({latest.signal} signal)" if latest.signal else ""
         moved = f", +{len(added)} / −{len(dropped)} since step {retrievals[-2].step}" if len(retrievals) > 1 else ""
-        headline = (f"Retrieval after step {latest.step}{signal}: {len(kept)} of {n} chunks in the draft's working cache "
-                    f"({latest.working_cache_len} tokens{moved}){of_output}, "
-                    f"<span style='color:{FAR}'>{len(far)} reaching back</span>"
-                    f"<br><span style='font-size:12px'>after the sink, the signal scores chunk {best} highest: "
-                    f"“{snippet}”</span>")
+        headline = (f"Retrieval after step {latest.step}{signal}: {len(kept)} of {n} chunks in the draft's working cache"
+                    f"{of_output}, <span style='color:{FAR}'>{len(far)} reaching back</span>"
+                    f"<br><span style='font-size:12px'>{latest.working_cache_len} tokens{moved} · after the sink, the "
+                    f"signal scores chunk {best} highest: “{snippet}”</span>")
     else:
         headline = (f"StreamingLLM window after step {latest.step}: {latest.working_cache_len} tokens "
                     f"({len(kept)} of {n} chunks{of_output})<br><span style='font-size:12px'>the attention sink plus "
