@@ -221,7 +221,9 @@ class MergedDrafter:
     The draft model is asked every step (`with_draft="always"`) or only where lookup found nothing
     (`"on_miss"`), and in either case only while it pays: once its last GATE_USES proposals averaged fewer
     than `draft_gate` accepted tokens, it sits out until GATE_RETRY steps have passed, then is tried again.
-    Its working cache still follows every committed token (they wait as pending tokens) and every retrieval.
+    Its working cache still follows every committed token: they wait as pending tokens, fed when it drafts next. A
+    retrieval due while it sits out waits for that step too (its store would lack the pending tokens: a working cache
+    chosen from a stale sequence, and work for a draft that reads nothing), and comes right after it.
     Each tree says why the draft model sat out (`sat_out`) and what its last uses got accepted (`recent`).
     """
 
@@ -234,13 +236,21 @@ class MergedDrafter:
         self.gains: deque[int] = deque(maxlen=GATE_USES)  # accepted draft-model tokens per use
         self.idle = 0  # steps sat out since the gate closed
         self._tree: DraftTree | None = None  # this step's tree, when the draft model helped build it
+        self.drafted = False  # whether the draft model drafted in the latest step
+        self.owed = False  # a retrieval fell due while it sat out
 
     @property
     def needs_scores(self) -> bool:
         return self.model.needs_scores
 
     def due(self, step: int, accepted: int = 0, depth: int = 0) -> bool:
-        return self.model.due(step, accepted, depth)
+        """The draft model's schedule, held back while it sits out (see the class)."""
+        wanted = self.model.due(step, accepted, depth)
+        if step == 0 or self.drafted:
+            wanted, self.owed = wanted or self.owed, False
+            return wanted
+        self.owed = self.owed or wanted
+        return False
 
     def prefill(self, prompt: list[int], stop) -> Iterator[int]:
         self.lookup.prefill(prompt, stop)
@@ -264,6 +274,7 @@ class MergedDrafter:
         tree = graft(DraftTree.empty() if sat_out else self.model.propose(room, generator),
                      [(c.tokens, c.start) for c in found])
         self._tree = None if sat_out else tree
+        self.drafted = not sat_out
         return replace(tree, sat_out=sat_out, recent=recent)
 
     def commit(self, tokens: list[int]) -> None:

@@ -104,3 +104,23 @@ def test_streaming_stays_flat_and_the_full_draft_cache_grows_with_the_output(lla
         assert max(working) <= budget + RETRIEVAL.chunk_size + DRAFT.k + 1
     else:
         assert working[-1] >= PROMPT_LEN + NEW - 2 * (DRAFT.k + 1) and working[-1] > 10 * budget
+
+
+def test_with_lookup_every_retrieval_reads_the_whole_sequence_even_after_the_draft_sat_out(bigram_pair):
+    """A long output that repeats itself: lookup finds copies, so the draft sits out for long stretches (on_miss). Its
+    store waits for the tokens it skipped; a retrieval due meanwhile waits for the draft's next step, so no working
+    cache is ever chosen from a stale sequence."""
+    from specextend.config import LookupConfig
+
+    rng = random.Random(3)
+    prompt = [rng.randrange(3, bigram_pair.vocab_size) for _ in range(PROMPT_LEN)]
+    config = preset("specextend", max_new_tokens=600, draft=DRAFT, retrieval=RETRIEVAL, lookup=LookupConfig(enabled=True))
+    events = list(generate(bigram_pair, prompt, config))
+    steps = {e.step: e for e in events if isinstance(e, Verified)}
+    drafts = {e.step: e for e in events if type(e).__name__ == "Drafted"}
+    assert sum(bool(d.sat_out) for d in drafts.values()) > 20  # the draft sat out for many steps
+    for r in (e for e in events if isinstance(e, Retrieved) and e.step > 0):
+        v = steps[r.step]
+        assert r.seq_len >= PROMPT_LEN + v.total_new - len(v.committed) - 1, (r.step, r.seq_len, v.total_new)
+        assert not drafts[r.step].sat_out  # a retrieval comes right after a step the draft drafted in
+    assert events[-1].token_ids == tuple(reference_greedy(bigram_pair.target, prompt, 600))
