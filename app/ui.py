@@ -114,8 +114,8 @@ does find it; the calibration is what tells.
 
 
 class SessionState:
-    """One tab's runs in one browser tab: its current job (so Stop and a new Run can reach it). The Long-document
-    and the needle tab each hold their own, so one's run never shows in, or stops, the other's."""
+    """One tab's runs in one browser tab: its current job (so Stop and a new Run can reach it). The main tab (long
+    input or long output) and the needle tab each hold their own, so one's run never shows in, or stops, the other's."""
 
     def __init__(self) -> None:
         self.job: Job | None = None
@@ -215,8 +215,7 @@ class Studio:
         """The controls of a workload: which samples are offered, what the text box holds, the task, and how many new
         tokens (a long output asks for thousands, where the server allows them). The text typed so far stays."""
         long = workload == "long_output"
-        tokens = min(LONG_OUTPUT_TOKENS, self.settings.max_new_tokens) if long else min(Knobs.max_new_tokens,
-                                                                                         self.settings.max_new_tokens)
+        tokens = min(LONG_OUTPUT_TOKENS if long else Knobs.max_new_tokens, self.settings.max_new_tokens)
         return (gr.Dropdown(visible=not long), gr.Dropdown(visible=long),
                 gr.Textbox(label="Prompt" if long else "Document",
                            placeholder="…or write a short prompt: a story opening, a question, a problem" if long
