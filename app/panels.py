@@ -9,13 +9,13 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from specextend.events import Event, Started
+from specextend.events import Event
 from specextend.metrics import new_tokens
 from visualizers import (
     Decode, acceptance_spec, answer_html, exactness_html, far_html, needle_spec, output_html, retrieval_spec,
     throughput_html, throughput_spec,
 )
-from visualizers.common import label, of, stop_reason
+from visualizers.common import label, started, stop_reason
 from visualizers.steps import as_of, moment
 from visualizers.text import prompt_reading
 
@@ -34,8 +34,8 @@ class View:
 
 
 def _temperature(events: Sequence[Event]) -> float:
-    started = of(events, Started)
-    return float(started[0].config.get("temperature", 0.0)) if started else 0.0
+    began = started(events)
+    return float(began.config.get("temperature", 0.0)) if began else 0.0
 
 
 def exactness(runs: Mapping[str, Sequence[Event]], primary: str, decode: Decode) -> str:
@@ -52,7 +52,7 @@ def exactness(runs: Mapping[str, Sequence[Event]], primary: str, decode: Decode)
                 "the target's own greedy output.</div>")
     if stop_reason(ours) == "running" or stop_reason(reference) == "running":
         return "<div class='se-muted'>Exactness: waiting for the target-alone run to finish…</div>"
-    began = [next(iter(of(events, Started)), None) for events in (ours, reference)]
+    began = [started(events) for events in (ours, reference)]
     return exactness_html(new_tokens(ours), new_tokens(reference), decode, label(primary), prompt_reading(*began))
 
 

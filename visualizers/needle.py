@@ -13,11 +13,11 @@ from __future__ import annotations
 import html
 from typing import Mapping, Sequence
 
-from specextend.events import Event, Retrieved, Started
+from specextend.events import Event, Retrieved
 from specextend.metrics import new_tokens, summarize
 
 from .common import (
-    STATUS_COLORS, Decode, Spec, base_layout, by_source_html, label, message_spec, of, stop_reason, title,
+    STATUS_COLORS, Decode, Spec, base_layout, by_source_html, label, message_spec, of, started, stop_reason, title,
 )
 
 
@@ -146,8 +146,8 @@ def signal_html(runs: Mapping[str, Sequence[Event]]) -> str:
     """What each CMR run's retrieval signal reads, from the config its trace recorded."""
     items = []
     for events in runs.values():
-        started = of(events, Started)
-        signal = started[0].config.get("retrieval", {}).get("signal") if started else None
-        if isinstance(signal, Mapping) and started[0].config.get("method") == "specextend":
+        began = started(events)
+        signal = began.config.get("retrieval", {}).get("signal") if began else None
+        if isinstance(signal, Mapping) and began.config.get("method") == "specextend":
             items.append(f"<li><b>{html.escape(signal['name'])} signal</b>: {html.escape(describe_signal(signal))}</li>")
     return f"<ul class='se-muted'>{''.join(items)}</ul>" if items else ""

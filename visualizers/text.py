@@ -11,7 +11,7 @@ from typing import Sequence
 
 from specextend.events import Event, Finished, Prefilling, Started
 
-from .common import STATUS_COLORS, Decode, draft_name, guessed_nodes, of, proposed_by, segments, stop_reason
+from .common import STATUS_COLORS, Decode, draft_name, guessed_nodes, of, proposed_by, segments, started, stop_reason
 from .steps import focus
 
 LEGEND = (
@@ -72,9 +72,9 @@ def waiting_for(events: Sequence[Event]) -> str:
         last = reading[-1]
         return (f"waiting for the first token: the {last.model} has read {last.done:,} of {last.total:,} prompt tokens "
                 f"({last.elapsed_s:.0f} s so far)")
-    started = of(events, Started)
-    if started:
-        return f"waiting for the first token: the target is reading {len(started[0].prompt_ids):,} prompt tokens"
+    began = started(events)
+    if began:
+        return f"waiting for the first token: the target is reading {len(began.prompt_ids):,} prompt tokens"
     return "waiting for the run to start: the model is loading, or the request waits its turn in the queue"
 
 
