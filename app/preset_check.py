@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from specextend.tools.prompting import LONG_OUTPUT_TOKENS
+
 from .backend import serve
 from .runner import Knobs
 from .settings import PRESETS, Settings
@@ -202,12 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shrink", action="store_true", help="two narrow layers per model (CPU, seconds)")
     p.add_argument("--tokens", type=int, help="document length in words (one token each; default 8000, 64 with "
                                               "--long-output)")
-    p.add_argument("--max-new-tokens", type=int, help="default 32 (2048 with --long-output)")
+    p.add_argument("--max-new-tokens", type=int, help=f"default 32 ({LONG_OUTPUT_TOKENS} with --long-output)")
     p.add_argument("--long-output", action="store_true", help="the long-output workload: a short prompt, a long output")
     p.add_argument("--presets", default=",".join(SHAPES), help="comma-separated preset names")
     p.add_argument("--out", type=Path, default=Path("results/preset_check"))
     args = p.parse_args(argv)
-    tokens, max_new = (64, 2048) if args.long_output else (8000, 32)
+    tokens, max_new = (64, LONG_OUTPUT_TOKENS) if args.long_output else (8000, 32)
     results = run(args.shrink, args.tokens or tokens, args.max_new_tokens or max_new,
                   [k.strip() for k in args.presets.split(",")], "long_output" if args.long_output else "document")
     args.out.mkdir(parents=True, exist_ok=True)

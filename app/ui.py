@@ -21,7 +21,7 @@ from gradio.components.plot import PlotData
 
 from specextend.config import GenerationConfig, preset
 from specextend.methods import METHOD_TABLE
-from specextend.tools.prompting import LONG_OUTPUT_INSTRUCTION, Prompt
+from specextend.tools.prompting import LONG_OUTPUT_INSTRUCTION, LONG_OUTPUT_TOKENS, Prompt
 from visualizers import heads_spec, needle_spec, retrieval_spec, signal_html
 from visualizers.common import ending, label
 from visualizers.steps import last_step, step_html
@@ -82,7 +82,6 @@ RACE_CHOICES = [("standard speculative decoding", "speculative"), ("lookup draft
 DEFAULT_TASK = "Summarize the document in a few sentences."
 WORKLOADS = [("long input: read a document, write a short answer", "document"),
              ("long output: write at length from a short prompt", "long_output")]
-LONG_OUTPUT_TOKENS = 2048  # a long output's max new tokens, where the server allows that many
 RUN_IS_GOING = "A run is going in this tab: Run starts nothing until it ends. Press Stop to end it sooner."
 STOPPING = "Stopping: the run ends after the current step (or prefill block)."
 STOP_WAIT_S = 5.0  # Stop waits this long for the run to end, so that its answer cannot land after the run's last word

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from conftest import save_tiny_pair
 from specextend.config import GPU_DRAFT, AttentionConfig, DraftConfig
 from specextend.tools import bundled, prompting
-from specextend.tools.cli import LONG_OUTPUT_TOKENS, build_parser, config_from, main, workload
+from specextend.tools.cli import build_parser, config_from, main, workload
 
 
 def args(*extra):
@@ -74,7 +74,7 @@ def test_generate_prints_text_then_json(tiny_dirs, tmp_path, capsys):
 
 
 def test_long_output_writes_past_its_prompt_and_cmr_reads_the_output_back(tiny_dirs, tmp_path, capsys):
-    assert config_from(args("--long-output"), eos=()).max_new_tokens == LONG_OUTPUT_TOKENS
+    assert config_from(args("--long-output"), eos=()).max_new_tokens == prompting.LONG_OUTPUT_TOKENS
     assert workload(args("--long-output"))[0] == prompting.LONG_OUTPUT_INSTRUCTION
     assert workload(args("--long-output", "--max-new-tokens", "5", "--instruction", "Go on.")) == ("Go on.", 5)
     assert workload(args()) == (prompting.DEFAULT_INSTRUCTION, 128)

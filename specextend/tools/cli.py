@@ -17,8 +17,6 @@ from . import prompting
 from ..config import (METHODS, SIGNAL_NAMES, AttentionConfig, DraftConfig, LookupConfig, RetrievalConfig, RetrievalSignal,
                      draft_defaults, preset)
 
-LONG_OUTPUT_TOKENS = 2048  # --long-output's default generation length
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m specextend", description=__doc__,
@@ -31,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--long-output", action="store_true",
                    help="the long-output workload: a short prompt and a long generation (a template with a thinking "
                         f"mode thinks; the instruction defaults to {prompting.LONG_OUTPUT_INSTRUCTION!r} and "
-                        f"--max-new-tokens to {LONG_OUTPUT_TOKENS})")
+                        f"--max-new-tokens to {prompting.LONG_OUTPUT_TOKENS})")
     g.add_argument("--instruction", help="the task, appended after the document (default: "
                                          f"{prompting.DEFAULT_INSTRUCTION!r})")
     g.add_argument("--raw", action="store_true", help="feed the document as is: no chat template, no instruction")
@@ -43,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     g.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
-    g.add_argument("--max-new-tokens", type=int, help=f"default: 128 ({LONG_OUTPUT_TOKENS} with --long-output)")
+    g.add_argument("--max-new-tokens", type=int, help=f"default: 128 ({prompting.LONG_OUTPUT_TOKENS} with --long-output)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
@@ -135,7 +133,7 @@ def lookup_from(args: argparse.Namespace, enabled: bool | None) -> LookupConfig:
 
 def workload(args: argparse.Namespace) -> tuple[str, int]:
     """The instruction and max new tokens: as given, else the workload's (a long input's, or --long-output's)."""
-    instruction, tokens = ((prompting.LONG_OUTPUT_INSTRUCTION, LONG_OUTPUT_TOKENS) if args.long_output
+    instruction, tokens = ((prompting.LONG_OUTPUT_INSTRUCTION, prompting.LONG_OUTPUT_TOKENS) if args.long_output
                            else (prompting.DEFAULT_INSTRUCTION, 128))
     given = lambda value, default: default if value is None else value  # noqa: E731
     return given(args.instruction, instruction), given(args.max_new_tokens, tokens)

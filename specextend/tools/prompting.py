@@ -17,6 +17,7 @@ from typing import Any, Iterable
 
 DEFAULT_INSTRUCTION = "Summarize the document above in a few sentences."
 LONG_OUTPUT_INSTRUCTION = "Continue this at length: write at least 2,000 words."
+LONG_OUTPUT_TOKENS = 2048  # a long output's new tokens by default (the CLI, the benchmark, the app where its cap allows)
 KEEP_HEAD = 256  # tokens of the prompt's start kept (at most half the limit) when the document's middle is dropped
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from .. import bundled, prompting
 from ...config import DraftConfig, RetrievalConfig
 from ...models import ModelPair, load_pair, make_pair, prefill_dtype, read_tokenizer
-from ..cli import LONG_OUTPUT_TOKENS, add_lookup_arguments, add_signal_arguments, lookup_from, signal_from
+from ..cli import add_lookup_arguments, add_signal_arguments, lookup_from, signal_from
 from ..kernel_bench import llama
 from .inputs import (GreedyMismatch, LONG_OUTPUT_METHODS, METHODS, PEERS, QUICK, QUICK_SHAPE, aliases, cut_text,
                      long_output_inputs, make_inputs, method_configs)
@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-output", action="store_true",
                    help="add the long-output section: a short prompt, a long generation, for "
                         + ", ".join(LONG_OUTPUT_METHODS) + " (those in --methods)")
-    p.add_argument("--long-output-tokens", type=int, default=LONG_OUTPUT_TOKENS,
+    p.add_argument("--long-output-tokens", type=int, default=prompting.LONG_OUTPUT_TOKENS,
                    help="new tokens per long output (a run may end earlier at an end token)")
     p.add_argument("--long-output-window", type=int, default=256, help="output positions per window of the table")
     p.add_argument("--long-output-prompts", nargs="+", default=None, metavar="FILE",
