@@ -27,7 +27,7 @@ from .attention import AttentionPlan
 from .cache import KVCache, reposition
 from .config import DraftConfig, GenerationConfig
 from .methods import DraftCache
-from .models import forward, rope_inv_freq
+from .models import forward, layer_devices, rope_inv_freq
 from .retrieval import DraftCachePolicy, Selection
 from .steps import StepRunner, make_runner
 from .verification import sampling_probs
@@ -70,19 +70,6 @@ class DraftTree:
         return tuple(s != "draft" for s in self.sources)
 
 
-def tree_mask(parents: tuple[int, ...] | list[int]) -> torch.Tensor:
-    """(N+1, N+1) bool over [root] + nodes: row i sees column j iff j is i itself or an ancestor."""
-    n = len(parents) + 1
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    mask[:, 0] = True
-    for i, p in enumerate(parents):
-        row = i + 1
-        if p >= 0:
-            mask[row] = mask[p + 1]
-        mask[row, row] = True
-    return mask
-
-
 def token_path(parents: list[int] | tuple[int, ...], node_tokens: list[int] | tuple[int, ...], tokens: list[int],
                within=None) -> list[int]:
     """The nodes (of `within`, if given) that spell a prefix of `tokens`, root to leaf."""
@@ -97,13 +84,14 @@ def token_path(parents: list[int] | tuple[int, ...], node_tokens: list[int] | tu
     return path
 
 
-def draw_children(logq: torch.Tensor, n: int, generator: torch.Generator | None) -> list[int]:
-    """n distinct tokens: the top-n of log q (greedy), or a draw without replacement from q (Gumbel top-n)."""
-    n = min(n, int(torch.isfinite(logq).sum()))
-    if generator is None:
-        return torch.topk(logq, n).indices.tolist()
-    u = torch.rand(logq.shape, generator=generator).clamp_(min=1e-20)
-    return torch.topk(logq - torch.log(-torch.log(u)), n).indices.tolist()
+def draw_children(logq: torch.Tensor, n: int, generator: torch.Generator | None) -> torch.Tensor:
+    """n distinct tokens per row of log q (..., V): the top-n (greedy), or a draw without replacement from q (Gumbel
+    top-n), as ids (..., n) where log q lies. Where fewer than n tokens have nonzero q, the last ids are ones of q 0."""
+    score = logq
+    if generator is not None:  # the uniforms come from the (CPU) generator, so a seed draws the same on any device
+        u = torch.rand(logq.shape, generator=generator).clamp_(min=1e-20).to(logq.device)
+        score = logq - torch.log(-torch.log(u))
+    return torch.topk(score, min(n, logq.shape[-1])).indices
 
 
 class Drafter(Protocol):
@@ -263,7 +251,7 @@ class ModelDrafter(PolicyDrafter):
             self.runner = make_runner(model, capacity, steps, largest)
             store = self.runner.cache
         else:
-            store = KVCache(model.config.num_hidden_layers, capacity)
+            store = KVCache(model.config.num_hidden_layers, capacity, layer_devices(model))
             self.runner = make_runner(model, working_room(config, capacity), steps, largest)
         super().__init__(config, policy, rope_inv_freq(model), store, self.runner.cache)
         self.runners = (self.runner,)
@@ -333,12 +321,14 @@ class GrowingTree:
         depth = 1 if node < 0 else self.depths[node] + 1
         if generator is not None:
             self.q_rows[node + 1] = logq.exp()
-        for token in draw_children(logq, n, generator):
+        picked = draw_children(logq, n, generator)
+        ids, values = torch.stack((picked.double(), logq[picked].double())).tolist()  # one copy to the host: (2, n)
+        for token, value in ((int(t), v) for t, v in zip(ids, values) if v != -math.inf):  # never a token of q 0
             self.tokens.append(token)
             self.parents.append(node)
             self.depths.append(depth)
-            self.cum.append(parent_cum + float(logq[token]))
-            self.probs.append(math.exp(float(logq[token])))
+            self.cum.append(parent_cum + value)
+            self.probs.append(math.exp(value))
 
     def prune(self, budget: int) -> None:
         """Keep the `budget` nodes of highest cumulative log q, renumbered in order. The kept set is a tree: a child's
@@ -374,5 +364,5 @@ class GrowingTree:
         if sampling:
             q = torch.zeros(len(self.tokens) + 1, self.vocab)
             for row, probs in self.q_rows.items():
-                q[row] = probs
+                q[row] = probs.cpu()
         return DraftTree(tuple(self.tokens), tuple(self.parents), tuple(self.depths), tuple(self.probs), q, self.forwards)

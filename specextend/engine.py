@@ -25,7 +25,7 @@ from .retrieval import make_policy
 from .signal import resolve
 from .steps import release
 from .target import SharedPrefill, Target
-from .verification import sampling_probs, verify_greedy, verify_sampling
+from .verification import greedy_accept, sampling_probs, verify_sampling
 
 def check_request(pair: ModelPair, prompt_ids: list[int], config: GenerationConfig) -> list[int]:
     """Every reason to refuse a request, raised as ValueError before any model work."""
@@ -133,7 +133,7 @@ def generate(
             phase = clock()  # b) the target verifies the whole tree in one forward
             logits = target.verify(out[-1], tree)
             if config.greedy:
-                path, bonus = verify_greedy(tree.parents, tree.tokens, logits.argmax(dim=-1).tolist())
+                path, bonus = greedy_accept(tree.parents, tree.tokens, logits)
             else:
                 p = sampling_probs(logits, config.temperature, config.top_p)
                 q = tree.q if tree.q is not None else torch.zeros_like(p)
@@ -160,7 +160,7 @@ def pick(logits: torch.Tensor, config: GenerationConfig, generator: torch.Genera
     """The target's own next token from the last row of logits (T, V)."""
     if config.greedy:
         return int(logits[-1].argmax())
-    return int(torch.multinomial(sampling_probs(logits[-1], config.temperature, config.top_p), 1, generator=generator))
+    return int(torch.multinomial(sampling_probs(logits[-1].cpu(), config.temperature, config.top_p), 1, generator=generator))
 
 
 def cut(tokens: list[int], generated: int, config: GenerationConfig) -> list[int]:

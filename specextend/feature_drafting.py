@@ -60,8 +60,8 @@ class FeatureDrafter(PolicyDrafter):
 
     @torch.no_grad()
     def _logits(self, states: torch.Tensor) -> torch.Tensor:
-        """The head's logits over the target's vocabulary for output states (T, H): (T, V), fp32 on CPU."""
-        return self.head.logits(states).float().cpu()
+        """The head's logits over the target's vocabulary for output states (T, H): (T, V), fp32 on its device."""
+        return self.head.logits(states).float()
 
     def prefill(self, prompt: list[int], stop, block: int = 2048) -> Iterator[int]:
         """The store's entries for the prompt (its features with each next token; sliding window per the policy)."""

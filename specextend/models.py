@@ -23,10 +23,11 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
-from . import attention, heads, signal
+from . import attention, fusion, heads, signal
 from .cache import KVCache
 from .compat import PairFacts, check_architecture, check_pair, context_length
 from .config import RetrievalSignal
+from .fusion import FUSED_ROWS, rms_norm
 from .vocab import check_vocab, keep_to_vocab, reduce_output_vocab
 
 # oneDNN, which runs torch's bf16 matmuls on the CPU, keeps a compiled kernel per shape it met, 1,024 by default: a
@@ -34,7 +35,7 @@ from .vocab import check_vocab, keep_to_vocab, reduce_output_vocab
 # every new prompt. 16 hold a prefill's linear shapes (the bundled target has five). oneDNN reads this when it first
 # runs, so it is set on import.
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16")
-NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # one formula (rms_norm below)
+NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # one formula (fusion.rms_norm)
 # the engine hands models its cache as `cache=`: transformers before 5.24 named it `past_key_values` and would
 # silently run every forward without the cache
 TRANSFORMERS_MIN = (5, 24)
@@ -270,14 +271,6 @@ def prefill_dtype(model: PreTrainedModel, setting: str = "auto") -> torch.dtype:
     return choose_prefill_dtype(setting, dtype, PREFILL_TIMES[key])
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The supported families' RMSNorm, as they write it: fp32 inside, weight times the result cast back."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
-FUSED_ROWS = 256  # FusedRMSNorm's compiled kernel serves decode-time forwards up to this many rows
 fused_rms_norm = attention.compiled_on_cuda(rms_norm)
 
 
@@ -299,7 +292,8 @@ def fuses_norms(model: PreTrainedModel) -> bool:
 
 def prepare(model: PreTrainedModel | heads.EagleHead) -> PreTrainedModel | heads.EagleHead:
     """Route an already-built model's attention through this project's kernels (a head's goes there from the
-    start), its few-row products through SkinnyLinear, and (on CUDA with Triton) its RMSNorms through FusedRMSNorm."""
+    start), its few-row products through SkinnyLinear, and (on CUDA with Triton) its RMSNorms through FusedRMSNorm
+    and its decoder layers' decode-time forwards through `fusion.fuse`."""
     if isinstance(model, PreTrainedModel):
         model.set_attn_implementation(attention.IMPLEMENTATION)
     fuse = fuses_norms(model)
@@ -308,6 +302,8 @@ def prepare(model: PreTrainedModel | heads.EagleHead) -> PreTrainedModel | heads
             module.__class__ = SkinnyLinear
         elif fuse and type(module).__name__ in NORMS:
             module.__class__ = FusedRMSNorm
+    if fuse:
+        fusion.fuse(model)
     return model.eval()
 
 
@@ -404,11 +400,18 @@ def final_layer(model: PreTrainedModel) -> tuple[int, float]:
 
 
 @torch.no_grad()
+def layer_devices(model: PreTrainedModel) -> tuple[torch.device, ...] | None:
+    """Each decoder layer's device, for a model spread over several (None where it sits on one): its KV cache keeps a
+    stacked buffer per device (cache.py)."""
+    devices = tuple(next(layer.parameters()).device for layer in model.base_model.layers)
+    return devices if len(set(devices)) > 1 else None
+
+
 def forward(
     model: PreTrainedModel, cache: KVCache, tokens: list[int], positions: torch.Tensor,
     plan: attention.AttentionPlan, logits_to_keep: int = 0,
 ) -> torch.Tensor:
-    """Run `tokens` at `positions` over `cache` (appending their KV): logits (T_kept, V) fp32 on CPU."""
+    """Run `tokens` at `positions` over `cache` (appending their KV): logits (T_kept, V) fp32, on the model's device."""
     device = model.get_input_embeddings().weight.device
     if plan.tree_mask is not None and plan.tree_mask.device != device:
         plan = replace(plan, tree_mask=plan.tree_mask.to(device))
@@ -418,4 +421,4 @@ def forward(
         attention_plan=plan, logits_to_keep=logits_to_keep,
     )
     cache.note_appended(positions)
-    return out.logits[0].float().cpu()
+    return out.logits[0].float()

@@ -24,7 +24,7 @@ import torch
 
 from .attention import AttentionPlan, KeySplits
 from .cache import KVCache
-from .models import forward
+from .models import forward, layer_devices
 
 BUCKET = 512  # key slots are attended in multiples of this
 KEEP = 8  # captured steps a runner keeps; the least recently used goes first
@@ -87,7 +87,7 @@ def make_runner(model, capacity: int, steps: str, largest: int, fixed: bool = Fa
         if runner is not None and runner.slots >= slots:
             runner.cache.crop(0)
             return runner
-    return StepRunner(model, KVCache(model.config.num_hidden_layers, slots), mode, sizes)
+    return StepRunner(model, KVCache(model.config.num_hidden_layers, slots, layer_devices(model)), mode, sizes)
 
 
 def release(runner: StepRunner) -> None:
@@ -150,10 +150,11 @@ class StepRunner:
     def slots(self) -> int:
         """The cache's preallocated slots."""
         layer = self.cache.layers[0]
-        return layer.keys.shape[2] if layer.is_initialized else layer.capacity
+        return layer.keys.shape[2] if layer.is_initialized else self.cache.capacity
 
     def forward(self, tokens: list[int], positions: torch.Tensor, plan: AttentionPlan, keep: int) -> torch.Tensor:
-        """Run `tokens` at `positions` (appending their KV): logits of the last `keep` tokens (keep, V), fp32 on CPU."""
+        """Run `tokens` at `positions` (appending their KV): logits of the last `keep` tokens (keep, V), fp32 on the
+        model's device (what the caller needs of them, it reduces there first: an argmax, a top-k)."""
         t = len(tokens)
         size = next((s for s in self.sizes if s >= t), None)
         layer = self.cache.layers[0]
@@ -178,7 +179,7 @@ class StepRunner:
         for kv in self.cache.layers:
             kv.length = base + t
         self.cache.note_appended(positions)
-        return logits[t - keep : t].float().cpu()
+        return logits[t - keep : t].float()
 
     def _step(self, size: int, bucket: int, buffer: int, layers: tuple | None) -> Step:
         # a reallocated cache buffer makes every step captured over the old one stale; a step captured for some

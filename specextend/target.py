@@ -19,8 +19,9 @@ import torch
 from .attention import AttentionPlan, Capture
 from .cache import KVCache
 from .config import GenerationConfig, RetrievalSignal
-from .drafting import DraftTree, tree_mask
-from .models import final_layer, forward, prefill_dtype, reduced_copy
+from .drafting import DraftTree
+from .verification import tree_mask
+from .models import final_layer, forward, layer_devices, prefill_dtype, reduced_copy
 from .signal import QueryWindow, combine, head_scores, kv_heads_of
 from .steps import make_runner
 
@@ -169,7 +170,7 @@ class Target:
             read = self.runner.forward
         else:  # the copy carries the hooks that keep the streams; the logits come out of the model's own output layer
             model = reduced_copy(self.model, self.prefill_dtype, keep=self.model.get_output_embeddings())
-            cache = KVCache(len(self.cache.layers), len(prompt))
+            cache = KVCache(len(self.cache.layers), len(prompt), layer_devices(model))
             read = partial(forward, model, cache)
         for start in range(0, len(prompt), size):
             if stop is not None and stop.is_set():
@@ -183,9 +184,8 @@ class Target:
             if self.features is not None:
                 self.features.push({i: h.to(dtype) for i, h in self.capture.hidden.items()})
             yield start + len(block)
-        if self.prefill_dtype != dtype:  # one layer at a time in the model's dtype
-            kv = ((keys.to(dtype), values.to(dtype)) for keys, values in (layer.filled() for layer in cache.layers))
-            self.cache.replace(kv, cache.rope_positions)
+        if self.prefill_dtype != dtype:  # converted to the model's dtype as it is copied
+            self.cache.replace(cache.filled(), cache.rope_positions, dtype)
         self.read = key
 
     def verify(self, root: int, tree: DraftTree) -> torch.Tensor:

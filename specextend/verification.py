@@ -43,6 +43,48 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float) -> to
     return filtered / filtered.sum(dim=-1, keepdim=True)
 
 
+def tree_mask(parents: tuple[int, ...] | list[int]) -> torch.Tensor:
+    """(N+1, N+1) bool over [root] + nodes: row i sees column j iff j is i itself or an ancestor."""
+    n = len(parents) + 1
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    mask[:, 0] = True
+    for i, p in enumerate(parents):
+        row = i + 1
+        if p >= 0:
+            mask[row] = mask[p + 1]
+        mask[row, row] = True
+    return mask
+
+
+def greedy_accept(parents: Sequence[int], tokens: Sequence[int], logits: torch.Tensor) -> tuple[list[int], int]:
+    """`verify_greedy` decided where the target's logits (N+1, V) lie: what comes back to the host is the deepest
+    accepted row and the bonus token (two ids), not N+1 rows of logits or argmaxes.
+
+    A node matches when its token is the argmax of its parent's row and no earlier sibling has the same token (the
+    first such child is the one followed); a row is accepted when it and all its ancestors match. The accepted rows
+    form one chain from the root; the deepest ends the path and its argmax is the bonus."""
+    argmax = logits.argmax(dim=-1)  # (N+1,)
+    if not tokens:
+        return [], int(argmax[0])
+    first, met = [], set()
+    for pair in zip(parents, tokens):
+        first.append(pair not in met)
+        met.add(pair)
+    nodes = torch.tensor([list(tokens), [p + 1 for p in parents], first], dtype=torch.long).to(logits.device)  # (3, N)
+    seen = tree_mask(parents).to(logits.device)  # (N+1, N+1): row i's ancestors and itself
+    match = (nodes[0] == argmax[nodes[1]]) & nodes[2].bool()  # (N,)
+    ok = torch.cat([match.new_ones(1), match])  # (N+1,): the root always stands
+    accepted = ~(seen & ~ok).any(dim=-1)  # (N+1,)
+    deepest = torch.where(accepted, seen.sum(dim=-1), 0).argmax()  # the root's depth counts 1, so a lone root wins
+    row, bonus = torch.stack((deepest, argmax[deepest])).tolist()
+    path = []
+    node = row - 1
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1], bonus
+
+
 def verify_greedy(parents: Sequence[int], tokens: Sequence[int], target_argmax: Sequence[int]) -> tuple[list[int], int]:
     """(accepted node path, bonus token) for greedy decoding. target_argmax has one entry per row."""
     kids = children_of(parents)

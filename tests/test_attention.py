@@ -34,7 +34,7 @@ from specextend.attention import (
     tree_attention,
 )
 from specextend.cache import KVCache
-from specextend.drafting import tree_mask
+from specextend.verification import tree_mask
 from specextend.models import forward, prepare
 from specextend.steps import StepRunner, capacity_for, sizes_up_to
 

@@ -26,10 +26,21 @@ FAST = settings(max_examples=40, deadline=None)
 
 
 def random_kv(n: int, gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (keys (B, H, n, D), values (B, H, n, D_v))."""
     return [
         (torch.randn(BATCH, HEADS, n, DIM, generator=gen), torch.randn(BATCH, HEADS, n, VDIM, generator=gen))
         for _ in range(LAYERS)
     ]
+
+
+def stacked(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer keys and values as the cache's verbs take them: one group, stacked (L, B, H, n, D)."""
+    return [(torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv]))]
+
+
+def per_layer(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """What `gather` gives (per group, stacked), per layer."""
+    return [(k, v) for keys, values in kv for k, v in zip(keys, values)]
 
 
 class Reference:
@@ -88,7 +99,7 @@ def test_cache_verbs_match_reference(capacity, ops, seed, data):
             n = max(n, 1)
             kv = random_kv(n, gen)
             positions = torch.randint(0, 10_000, (n,), generator=gen)
-            cache.append(kv, positions)
+            cache.append(stacked(kv), positions)
             ref.extend(kv, positions.tolist())
         elif op == "crop":
             m = n % (length + 3)
@@ -104,7 +115,7 @@ def test_cache_verbs_match_reference(capacity, ops, seed, data):
             n = max(n, 1)
             kv = random_kv(n, gen)
             positions = torch.randint(0, 10_000, (n,), generator=gen)
-            cache.replace(kv, positions)
+            cache.replace(stacked(kv), positions)
             ref.slots = []
             ref.extend(kv, positions.tolist())
         else:  # gather: copies, in the order asked, and leaves the cache untouched
@@ -112,7 +123,8 @@ def test_cache_verbs_match_reference(capacity, ops, seed, data):
                 continue
             slots = data.draw(st.lists(st.integers(0, length - 1), min_size=1, max_size=8), label="gather")
             got = cache.gather(torch.tensor(slots, dtype=torch.long))
-            for layer_idx, (k, v) in enumerate(got):
+            assert len(got) == 1  # one device: one group, one copy per buffer
+            for layer_idx, (k, v) in enumerate(per_layer(got)):
                 assert torch.equal(k, torch.stack([ref.slots[i][0][layer_idx][0] for i in slots], dim=2))
                 assert torch.equal(v, torch.stack([ref.slots[i][0][layer_idx][1] for i in slots], dim=2))
                 k.add_(1.0)  # a copy: writing to it must not reach the cache
@@ -125,7 +137,7 @@ def test_growth_keeps_contents():
     for step in range(12):  # 1 + 2 + ... + 12 = 78 tokens: several doublings past 16
         kv = random_kv(step + 1, gen)
         positions = torch.arange(len(ref.slots), len(ref.slots) + step + 1)
-        cache.append(kv, positions)
+        cache.append(stacked(kv), positions)
         ref.extend(kv, positions.tolist())
         ref.check(cache)
     assert cache.layers[0].keys.shape[2] >= 78
@@ -135,18 +147,18 @@ def test_keep_then_gather_equals_original_slots():
     gen = torch.Generator().manual_seed(1)
     cache = KVCache(LAYERS)
     kv = random_kv(20, gen)
-    cache.append(kv, torch.arange(100, 120))
+    cache.append(stacked(kv), torch.arange(100, 120))
     slots = torch.tensor([0, 3, 4, 11, 19])
-    before = cache.gather(slots)
+    before = per_layer(cache.gather(slots))
     cache.keep(slots)
-    after = cache.gather(torch.arange(len(slots)))
+    after = per_layer(cache.gather(torch.arange(len(slots))))
     for (k0, v0), (k1, v1), (k, v) in zip(before, after, kv):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
         assert torch.equal(k1, k[:, :, slots])
     assert cache.rope_positions.tolist() == [100, 103, 104, 111, 119]
     # new tokens go after the kept ones
     more = random_kv(2, gen)
-    cache.append(more, torch.tensor([7, 8]))
+    cache.append(stacked(more), torch.tensor([7, 8]))
     assert cache.length == 7
     assert torch.equal(cache.layers[1].filled()[0][:, :, 5:], more[1][0])
     assert cache.rope_positions.tolist() == [100, 103, 104, 111, 119, 7, 8]
@@ -155,7 +167,7 @@ def test_keep_then_gather_equals_original_slots():
 def test_crop_then_update_overwrites_the_dropped_slots():
     gen = torch.Generator().manual_seed(2)
     cache = KVCache(LAYERS)
-    cache.append(random_kv(10, gen), torch.arange(10))
+    cache.append(stacked(random_kv(10, gen)), torch.arange(10))
     cache.crop(4)
     assert cache.length == 4 and cache.rope_positions.tolist() == [0, 1, 2, 3]
     cache.crop(99)  # cropping past the end changes nothing
@@ -165,6 +177,50 @@ def test_crop_then_update_overwrites_the_dropped_slots():
         full_k, full_v = cache.update(k, v, layer_idx)
         assert full_k.shape[2] == 7
         assert torch.equal(full_k[:, :, 4:], k) and torch.equal(full_v[:, :, 4:], v)
+
+
+def test_layers_share_one_stacked_buffer_and_a_verb_is_one_copy_per_buffer():
+    """One device: every layer's keys are views of one buffer, so `keep` moves all layers' slots with one gather
+    and one write per buffer (the commit after each step), never one per layer."""
+    gen = torch.Generator().manual_seed(3)
+    cache = KVCache(LAYERS, capacity=32)
+    cache.append(stacked(random_kv(12, gen)), torch.arange(12))
+    [group] = cache.groups
+    assert all(layer.keys.untyped_storage().data_ptr() == group.keys.untyped_storage().data_ptr() for layer in cache.layers)
+    calls = []
+    real = torch.Tensor.index_select
+
+    def counted(self, *args, **kwargs):
+        calls.append(self.shape)
+        return real(self, *args, **kwargs)
+
+    torch.Tensor.index_select = counted
+    try:
+        cache.keep(torch.tensor([0, 1, 5, 7, 11]))
+    finally:
+        torch.Tensor.index_select = real
+    assert len(calls) == 2  # keys and values, all layers at once
+    assert cache.length == 5
+
+
+def test_layers_on_different_devices_get_a_buffer_each():
+    """A model spread over devices: consecutive layers on one device form a group with its own stacked buffer
+    (here three layers on two "devices" stood in by distinct labels, all on the CPU)."""
+    gen = torch.Generator().manual_seed(4)
+    devices = (torch.device("cpu", 0), torch.device("cpu", 0), torch.device("cpu", 1))
+    cache = KVCache(3, 8, devices=devices)
+    assert [(g.first, g.count) for g in cache.groups] == [(0, 2), (2, 1)]
+    kv = [(torch.randn(BATCH, HEADS, 5, DIM, generator=gen), torch.randn(BATCH, HEADS, 5, VDIM, generator=gen))
+          for _ in range(3)]
+    for i, (k, v) in enumerate(kv):
+        cache.update(k, v, i)
+    cache.note_appended(torch.arange(5))
+    got = cache.gather(torch.tensor([4, 0]))
+    assert [k.shape[0] for k, _ in got] == [2, 1]
+    assert torch.equal(per_layer(got)[2][0], kv[2][0][:, :, [4, 0]])
+    cache.keep(torch.tensor([1, 3]))
+    assert torch.equal(cache.layers[2].filled()[1], kv[2][1][:, :, [1, 3]])
+    assert torch.equal(cache.layers[0].filled()[0], kv[0][0][:, :, [1, 3]])
 
 
 # ------------------------------------------------------------------------------------------ RoPE
@@ -268,7 +324,7 @@ def test_reposition_maps_a_shifted_run_onto_the_unshifted_cache(family):
     inv_freq = rope_inv_freq(model)
     torch.testing.assert_close(inv_freq, ROTARY.inv_freq)  # same head_dim and theta as ROPE_CONFIG
     moved = reposition(shifted.gather(torch.arange(24)), shifted.rope_positions, base.rope_positions, inv_freq)
-    for layer, (keys, values) in zip(base.layers, moved):
+    for layer, (keys, values) in zip(base.layers, per_layer(moved)):
         want_k, want_v = layer.filled()
         torch.testing.assert_close(keys, want_k, atol=2e-4, rtol=1e-4)
         torch.testing.assert_close(values, want_v, atol=2e-4, rtol=1e-4)

@@ -22,7 +22,7 @@ from scipy.stats import chisquare
 
 from specextend.drafting import DraftTree, draw_children
 from specextend.lookup import graft
-from specextend.verification import children_of, sampling_probs, verify_greedy, verify_sampling
+from specextend.verification import children_of, greedy_accept, sampling_probs, verify_greedy, verify_sampling
 
 V = 6
 ALPHA = 1e-3  # an exact rule must pass at this level; a wrong one must fail it
@@ -199,8 +199,8 @@ def sample_chain(n: int, seed: int, draft: str = "sampled") -> list[list[int]]:
     p0, q0, p1, q1, p2 = model_pq(seed)
     gen = torch.Generator().manual_seed(seed + 1)
     sampler = gen if draft == "sampled" else None
-    x1 = torch.tensor(draw_children(q0.log().expand(n, V), 1, sampler)).squeeze(1)
-    x2 = torch.tensor(draw_children(q1[x1].log(), 1, sampler)).squeeze(1)
+    x1 = draw_children(q0.log().expand(n, V), 1, sampler).squeeze(1)
+    x2 = draw_children(q1[x1].log(), 1, sampler).squeeze(1)
     p = torch.stack([p0.expand(n, V), p1[x1], p2.expand(n, V)], dim=1)  # (n, 3, V)
     q = torch.stack([q0.expand(n, V), q1[x1], torch.zeros(n, V)], dim=1)
     committed = []
@@ -218,14 +218,14 @@ def sample_tree(n: int, seed: int, root_children: int, grandchildren: int, child
     pq = p0, q0, p1, q1, p2 = model_pq(seed, p_zero)
     gen = torch.Generator().manual_seed(seed + 1)
     sampler = gen if children == "sampled" else None
-    first = torch.tensor(draw_children(q0.log().expand(n, V), root_children, sampler))  # (n, c)
+    first = draw_children(q0.log().expand(n, V), root_children, sampler)  # (n, c)
     parents = [-1] * root_children
     columns = [first]
     p_rows = [p0.expand(n, V)] + [p1[first[:, j]] for j in range(root_children)]
     q_rows = [q0.expand(n, V)] + [q1[first[:, j]] for j in range(root_children)]
     for j in range(root_children):
         if grandchildren:
-            columns.append(torch.tensor(draw_children(q1[first[:, j]].log(), grandchildren, sampler)))
+            columns.append(draw_children(q1[first[:, j]].log(), grandchildren, sampler))
             parents += [j] * grandchildren
             p_rows += [p2.expand(n, V)] * grandchildren
             q_rows += [torch.zeros(n, V)] * grandchildren
@@ -308,8 +308,8 @@ def sample_grafted(n: int, seed: int, lookups: list[tuple[int, ...]], point: boo
     rule, as if they had been drawn from q)."""
     pq = p0, q0, p1, q1, p2 = model_pq(seed, p_zero=5)
     gen = torch.Generator().manual_seed(seed + 1)
-    first = torch.tensor(draw_children(q0.log().expand(n, V), 3, gen))  # (n, 3)
-    second = [torch.tensor(draw_children(q1[first[:, j]].log(), 2, gen)) for j in range(3)]  # 3 x (n, 2)
+    first = draw_children(q0.log().expand(n, V), 3, gen)  # (n, 3)
+    second = [draw_children(q1[first[:, j]].log(), 2, gen) for j in range(3)]  # 3 x (n, 2)
     parents, depths = (-1, -1, -1, 0, 0, 1, 1, 2, 2), (1, 1, 1, 2, 2, 2, 2, 2, 2)
     committed, shared = [], 0
     for i in range(n):
@@ -400,3 +400,17 @@ def test_top_p_keeps_the_smallest_prefix_reaching_top_p(logits, temperature, top
     torch.testing.assert_close(got[0].double(), want, atol=1e-5, rtol=0)
     torch.testing.assert_close(got[1].double(), want.flip(0), atol=1e-5, rtol=0)
     assert abs(float(got[0].sum()) - 1.0) < 1e-5
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_greedy_accept_on_the_logits_device_equals_verify_greedy(data):
+    """The device-side decision (two ids back) is `verify_greedy` exactly: random trees, sibling tokens that repeat
+    (a lookup copy beside a draft guess), argmaxes that follow any branch or none."""
+    n = data.draw(st.integers(0, 12), label="nodes")
+    parents = [data.draw(st.integers(-1, i - 1), label="parent") for i in range(n)]
+    tokens = [data.draw(st.integers(0, 3), label="token") for _ in range(n)]
+    argmax = [data.draw(st.integers(0, 3), label="argmax") for _ in range(n + 1)]
+    logits = torch.randn(n + 1, 4) - 10.0
+    logits[torch.arange(n + 1), torch.tensor(argmax)] = 10.0
+    assert greedy_accept(parents, tokens, logits) == verify_greedy(parents, tokens, argmax)

@@ -31,7 +31,7 @@ from ..attention import (AttentionPlan, KeySplits, full_tree_mask, hybrid_tree_a
                         onecall_tree_attention, prefill_attention, split_attention)
 from ..cache import KVCache
 from ..config import AttentionConfig, DraftConfig, RetrievalConfig, preset
-from ..drafting import tree_mask
+from ..verification import tree_mask
 from ..engine import generate
 from ..heads import EagleHead, config_like
 from ..target import prefill_block

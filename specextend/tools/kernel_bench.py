@@ -22,7 +22,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..attention import full_tree_mask, hybrid_tree_attention, math_attention, prefill_attention
 from ..config import AttentionConfig, DraftConfig, LookupConfig, RetrievalConfig, RetrievalSignal, preset
-from ..drafting import tree_mask
+from ..verification import tree_mask
 from ..engine import generate
 from ..methods import METHOD_TABLE
 from ..metrics import summarize
