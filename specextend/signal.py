@@ -27,29 +27,81 @@ PAPER = RetrievalSignal()
 UNCALIBRATED = RetrievalSignal("uncalibrated", layers=(), heads=(), rows=16, combine="max", reserve=0.25, spread=0.5)
 
 
+class Tail:
+    """The last `rows` rows (along `dim`) of what is pushed, written in place into a buffer of twice that: a push copies
+    its rows in, and about once in `rows` pushed rows the kept ones move to the front. No step allocates."""
+
+    def __init__(self, rows: int, dim: int) -> None:
+        self.rows, self.dim = rows, dim
+        self.buffer: torch.Tensor | None = None
+        self.n = 0  # rows filled
+
+    @property
+    def view(self) -> torch.Tensor | None:
+        """The kept rows, oldest first (a view: valid until the next push)."""
+        if self.buffer is None:
+            return None
+        kept = min(self.n, self.rows)
+        return self.buffer.narrow(self.dim, self.n - kept, kept)
+
+    def push(self, new: torch.Tensor) -> None:
+        """Add `new`'s rows (at most `rows` of them)."""
+        k = new.shape[self.dim]
+        if self.buffer is None:
+            shape = list(new.shape)
+            shape[self.dim] = 2 * self.rows
+            self.buffer = new.new_empty(shape)
+        if self.n + k > 2 * self.rows:  # move the rows still kept after this push to the front (they do not overlap)
+            keep = self.rows - k
+            self.buffer.narrow(self.dim, 0, keep).copy_(self.buffer.narrow(self.dim, self.n - keep, keep))
+            self.n = keep
+        self.buffer.narrow(self.dim, self.n, k).copy_(new)
+        self.n += k
+
+    def copy(self, rows: int) -> Tail:
+        """A tail of `rows` holding copies of this one's last `rows` rows."""
+        twin, kept = Tail(rows, self.dim), self.view
+        if kept is not None:
+            w = kept.shape[self.dim]
+            twin.push(kept.narrow(self.dim, max(0, w - rows), min(rows, w)))
+        return twin
+
+
 class QueryWindow:
     """The queries of the scoring heads for the last `rows` tokens the target has read, and their positions.
 
-    Per layer (H_sel, W, D) with W <= rows, oldest first; `positions` (W,) the tokens' positions. One verb: `push`.
+    Per layer (H_sel, W, D) with W <= rows, oldest first; `positions` (W,) the tokens' positions. One verb: `push`,
+    which writes in place (`Tail`).
     """
 
     def __init__(self, heads: dict[int, tuple[int, ...]], rows: int) -> None:
         self.heads = heads
         self.rows = rows
-        self.queries: dict[int, torch.Tensor] = {}
-        self.positions = torch.zeros(0, dtype=torch.long)
+        self._queries = {layer: Tail(rows, 1) for layer in heads}
+        self._positions = Tail(rows, 0)
         self._index: dict[tuple, torch.Tensor] = {}  # head lists as index tensors, on the queries' device
 
     @property
     def layers(self) -> frozenset[int]:
         return frozenset(self.heads)
 
+    @property
+    def queries(self) -> dict[int, torch.Tensor]:
+        """Per layer the kept queries (H_sel, W, D), oldest first (views: valid until the next push)."""
+        return {layer: tail.view for layer, tail in self._queries.items() if tail.view is not None}
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """(W,) the kept rows' positions, on the CPU."""
+        view = self._positions.view
+        return torch.zeros(0, dtype=torch.long) if view is None else view
+
     def copy(self, rows: int | None = None) -> QueryWindow:
         """A window of the same heads holding copies of the last `rows` (default: all of this window's) rows."""
         rows = rows or self.rows
         twin = QueryWindow(self.heads, rows)
-        twin.queries = {layer: q[:, -rows:].clone() for layer, q in self.queries.items()}
-        twin.positions = self.positions[-rows:].clone()
+        twin._queries = {layer: tail.copy(rows) for layer, tail in self._queries.items()}
+        twin._positions = self._positions.copy(rows)
         return twin
 
     def serves(self, other: QueryWindow) -> bool:
@@ -68,11 +120,8 @@ class QueryWindow:
                 if index is None:
                     index = self._index[(heads, device)] = torch.tensor(heads, device=device)
                 q = q.index_select(0, index)
-            new = q.index_select(1, rows)  # (H_sel, rows, D)
-            old = self.queries.get(layer)
-            joined = new if old is None else torch.cat([old, new], dim=1)
-            self.queries[layer] = joined[:, -self.rows :]
-        self.positions = torch.cat([self.positions, positions[-self.rows :].cpu()])[-self.rows :]
+            self._queries[layer].push(q.index_select(1, rows))  # (H_sel, rows, D)
+        self._positions.push(positions[-self.rows :].cpu())
 
 
 def head_scores(queries: torch.Tensor, kv_of: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,

@@ -60,29 +60,46 @@ def watch_streams(model, streams: frozenset[int]) -> None:
 class FeatureRows:
     """The residual streams of the tokens the target has read and committed, queued for a feature drafter in order:
     the prompt's rows after prefill, then the root's and the accepted nodes' after each verification. The drafter
-    takes them (`take`) as its features (`convert`: streams (T, H) each -> (T, F), e.g. an EAGLE head's fc input)."""
+    takes them (`take`) as its features (`convert`: streams (T, H) each -> (T, F), e.g. an EAGLE head's fc input).
+    Rows are written in place into one buffer per stream (grown by doubling), so a step allocates nothing here."""
 
     def __init__(self, streams: tuple[int, ...], convert: Callable[[Streams], torch.Tensor]) -> None:
         self.streams = streams
         self.convert = convert
-        self.queue: list[Streams] = []
+        self.buffers: Streams = {}  # stream -> (capacity, H)
+        self.n = 0  # rows queued
 
+    @torch.no_grad()
     def push(self, hidden: Streams, rows: torch.Tensor | None = None) -> None:
         """Queue rows `rows` (all when None) of one forward's captured streams {i: (B, T, H)}; copied."""
-        picked = {}
         for i in self.streams:
-            h = hidden[i][0]
-            picked[i] = (h if rows is None else h.index_select(0, rows.to(h.device))).clone()
-        self.queue.append(picked)
+            h = hidden[i][0]  # (T, H)
+            k = h.shape[0] if rows is None else rows.shape[0]
+            out = self._room(i, h, self.n + k)[self.n : self.n + k]
+            if rows is None:
+                out.copy_(h)
+            else:
+                torch.index_select(h, 0, rows.to(h.device), out=out)
+        self.n += k
+
+    def _room(self, stream: int, like: torch.Tensor, needed: int) -> torch.Tensor:
+        buffer = self.buffers.get(stream)
+        if buffer is None or buffer.shape[0] < needed or buffer.dtype != like.dtype:
+            grown = like.new_empty((max(needed, 2 * (0 if buffer is None else buffer.shape[0]), 64), like.shape[-1]))
+            if buffer is not None:
+                grown[: self.n] = buffer[: self.n]
+            buffer = self.buffers[stream] = grown
+        return buffer
 
     def queued(self) -> Streams:
-        """The queued rows, oldest first, per stream ({} when none are queued); the queue stays."""
-        return {i: torch.cat([q[i] for q in self.queue]) for i in self.streams} if self.queue else {}
+        """The queued rows, oldest first, per stream ({} when none are queued; views, valid until the next push);
+        the queue stays."""
+        return {i: self.buffers[i][: self.n] for i in self.streams} if self.n else {}
 
     def take(self) -> torch.Tensor | None:
         """The queued rows as features (T, F), oldest first (None when none are queued); the queue empties."""
         joined = self.queued()
-        self.queue = []
+        self.n = 0
         return self.convert(joined) if joined else None
 
 
@@ -111,7 +128,7 @@ class SharedPrefill:
         self.kv = target.cache.gather(torch.arange(target.cache.length))
         self.rope_positions = target.cache.rope_positions.clone()
         self.window = None if target.window is None else target.window.copy()
-        self.streams = target.features.queued() if target.features is not None else {}
+        self.streams = {i: h.clone() for i, h in target.features.queued().items()} if target.features is not None else {}
 
 
 class Target:

@@ -328,3 +328,24 @@ def test_a_race_shares_the_targets_prefill_with_its_streams(head_pair):
     copied = [next(e.shared for e in run if isinstance(e, Prefilled)) for run in runs]
     assert copied == [False, False, True]
     assert all(list(run[-1].token_ids) == reference for run in runs)
+
+
+def test_feature_rows_queue_in_order_in_place():
+    """The target's rows for a feature drafter: a prefill's rows, then each step's root and accepted rows, taken in
+    order; after the first steps the buffers hold still (written in place, not reallocated per step)."""
+    from specextend.target import FeatureRows
+
+    rows = FeatureRows((0, 2), lambda streams: torch.cat([streams[0], streams[2]], dim=-1))
+    hidden = lambda start, t: {i: (torch.arange(start, start + t, dtype=torch.float32)[:, None] + 0.5 * i).expand(t, 3)[None]  # noqa: E731
+                               for i in (0, 2)}
+    rows.push(hidden(0, 5))
+    assert rows.take()[:, 0].tolist() == [0, 1, 2, 3, 4] and rows.take() is None
+    pointers = set()
+    for step in range(20):
+        rows.push(hidden(100 * step, 4), torch.tensor([0, 2, 3]))
+        rows.push(hidden(100 * step + 50, 1))
+        pointers.add(rows.buffers[0].data_ptr())
+        got = rows.take()
+        assert got[:, 0].tolist() == [100 * step, 100 * step + 2, 100 * step + 3, 100 * step + 50]
+        assert got[:, 3].tolist() == [v + 1.0 for v in got[:, 0].tolist()]  # stream 2's rows beside stream 0's
+    assert len(pointers) == 1

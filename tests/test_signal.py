@@ -91,6 +91,28 @@ def test_query_window_keeps_the_newest_rows_in_order():
     assert torch.equal(window.queries[1], torch.cat([q[0, [0, 2]][:, 4:], q[0, [0, 2]][:, [0, 3]]], dim=1))
 
 
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 9), pushes=st.lists(st.integers(1, 9), min_size=1, max_size=30), dim=st.sampled_from([0, 1]))
+def test_tail_keeps_the_last_rows_in_one_buffer(rows, pushes, dim):
+    """`Tail` (the window's storage) holds the last `rows` rows in order, written into one buffer that no push
+    reallocates, however the pushes fall against its move to the front."""
+    tail, seen, counter, buffer = signal.Tail(rows, dim), [], 0, None
+    for k in pushes:
+        k = min(k, rows)
+        new = torch.arange(counter, counter + k, dtype=torch.float32)
+        new = new[:, None].expand(k, 3) if dim == 0 else new[None, :, None].expand(2, k, 3)
+        tail.push(new)
+        seen.extend(range(counter, counter + k))
+        counter += k
+        buffer = buffer if buffer is not None else tail.buffer.data_ptr()
+        assert tail.buffer.data_ptr() == buffer
+        kept = tail.view if dim == 0 else tail.view[0]
+        assert kept[:, 0].tolist() == seen[-rows:]
+    twin = tail.copy(max(1, rows - 1))
+    kept = twin.view if dim == 0 else twin.view[0]
+    assert kept[:, 0].tolist() == seen[-max(1, rows - 1):]
+
+
 def test_target_window_holds_the_queries_of_the_rows_it_read():
     """After a prefill and a few verified steps, the window's rows are exactly the queries a single forward over
     the same committed tokens computes at the same positions."""
