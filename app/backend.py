@@ -21,6 +21,27 @@ from .settings import BUNDLED, PairChoice
 
 Progress = Callable[[str], None]
 Generate = Callable[[list[int], GenerationConfig, "threading.Event | None"], Iterator[Event]]
+Plan = Sequence[tuple[str, GenerationConfig]]  # one click's runs: each method with its config, in the order they run
+
+
+@dataclass(frozen=True)
+class Click:
+    """One click's runs in one call: `run(prompt_ids, plan, stop)` yields (method, event) for each run of the plan in
+    turn. `stop` ends the current run between steps (the engine's own stop) and starts no other. On a ZeroGPU Space
+    this call is the GPU grant (app/zerogpu.py); elsewhere the runs go one after another on a `Generate` (`in_turn`)."""
+
+    run: Callable[[list[int], Plan, "threading.Event"], Iterator[tuple[str, Event]]]
+
+    @classmethod
+    def in_turn(cls, generate: Generate) -> Click:
+        def run(prompt_ids: list[int], plan: Plan, stop: threading.Event) -> Iterator[tuple[str, Event]]:
+            for method, config in plan:
+                if stop.is_set():
+                    return
+                for event in generate(prompt_ids, config, stop):
+                    yield method, event
+
+        return cls(run)
 
 
 DECODED = 8192  # decoded texts a codec keeps: a long document's chunks and a run's stretches, ~1.6 KB each
@@ -71,10 +92,15 @@ class Loaded:
     race: Callable[[], Generate] | None = None  # a generate whose requests on one prompt share the target's prefill
     draft_positions: int | None = None  # the draft's own context, where it is shorter than the target's
     close: Callable[[], None] | None = None  # frees what the pair holds beyond its models (called when it is dropped)
+    granted: Click | None = None  # a click's whole plan in one GPU grant (a ZeroGPU Space: app/zerogpu.py)
 
     def for_click(self) -> Generate:
         """What one click's runs generate with: they read one prompt, so the target reads it once."""
         return self.race() if self.race is not None else self.generate
+
+    def click(self) -> Click:
+        """What one click runs its plan with: the pair's granted click where it has one, else its runs in turn."""
+        return self.granted if self.granted is not None else Click.in_turn(self.for_click())
 
 
 def head_picture(pair, ids: list[int], span: tuple[int, int]):

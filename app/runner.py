@@ -6,6 +6,7 @@ Knows the engine's contract and events; knows nothing of gradio or figures.
 
 from __future__ import annotations
 
+import contextvars
 import ctypes
 import logging
 import math
@@ -21,7 +22,7 @@ from specextend.events import Event, Finished, Prefilled, Prefilling, Started, V
 from specextend.tools.prompting import Prompt
 from visualizers.common import label
 
-from .backend import Codec
+from .backend import Click, Codec
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,9 @@ class Job:
     """One click's runs, keyed by method, filled by a background thread.
 
     `prepare` loads what is needed (reporting through `say`) and returns the codec, the prompt, the
-    model's position limit and a `generate` callable; then each planned method runs in turn.
+    model's position limit and a `generate` callable (each planned method then runs in turn on it) or a `Click` (the
+    whole plan in one call: one GPU grant on a ZeroGPU Space). The thread carries the context of the call that started
+    it (gradio's request: a ZeroGPU grant is charged to the visitor who clicked).
     """
 
     methods: Sequence[str]
@@ -122,7 +125,8 @@ class Job:
 
     def start(self) -> Job:
         self.began = time.perf_counter()
-        threading.Thread(target=self._work, name="specextend-job", daemon=True).start()
+        context = contextvars.copy_context()
+        threading.Thread(target=context.run, args=(self._work,), name="specextend-job", daemon=True).start()
         return self
 
     def stop(self) -> None:
@@ -143,19 +147,19 @@ class Job:
 
     def _run(self) -> None:
         self.codec, self.prompt, limit, generate = self.prepare(self.say)
-        for method in self.methods:
-            if self.stop_event.is_set():
-                break
-            config = self.configs(method, self.codec)
+        plan = [(method, self.configs(method, self.codec)) for method in self.methods]
+        for _, config in plan:  # every run is checked before any starts (and before a GPU is asked for)
             if len(self.prompt.ids) + config.max_new_tokens > limit:
                 raise ValueError(
                     f"The prompt is {len(self.prompt.ids):,} tokens; with {config.max_new_tokens} new tokens that "
                     f"exceeds the model's limit of {limit:,} positions. Shorten the document or ask for fewer tokens."
                 )
-            self.runs[method] = events = []
-            for event in generate(self.prompt.ids, config, self.stop_event):
-                events.append(event)
-                self.status = describe(method, event)
+        if not plan:
+            return
+        click = generate if isinstance(generate, Click) else Click.in_turn(generate)
+        for method, event in click.run(self.prompt.ids, plan, self.stop_event):
+            self.runs.setdefault(method, []).append(event)
+            self.status = describe(method, event)
 
     def snapshot(self) -> dict[str, list[Event]]:
         """A copy of the runs so far, safe to read while the thread appends."""

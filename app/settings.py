@@ -19,6 +19,7 @@ and the limits that keep a shared app serving. Knows nothing of gradio or models
 | SPECEXTEND_CONCURRENCY | 1 | generations running at once; others wait in the queue |
 | SPECEXTEND_QUEUE | 16 | requests that may wait in the queue |
 | SPECEXTEND_REDRAW_S | 0.3 | shortest time between redraws of the live panels (and the charts' default) |
+| SPECEXTEND_ZEROGPU_MAX_S | 120 | on a ZeroGPU Space, the longest GPU grant one click asks for, in seconds (app/zerogpu.py) |
 """
 
 from __future__ import annotations
@@ -139,6 +140,7 @@ class Settings:
     redraw_s: float = 0.3  # shortest time between panel redraws while a run streams
     redraw_share: float = 0.05  # most of the wall time panel drawing may take
     max_document_chars: int = 400_000  # ~100K tokens: more than any allowed model reads, cheap to refuse beyond
+    zerogpu_max_s: int = 120  # on a ZeroGPU Space: the longest GPU grant a click asks for
 
     def __post_init__(self) -> None:
         if not self.pairs:
@@ -175,6 +177,7 @@ class Settings:
             concurrency=_number(env, "SPECEXTEND_CONCURRENCY", 1, 1),
             queue_size=_number(env, "SPECEXTEND_QUEUE", 16, 1),
             redraw_s=_number(env, "SPECEXTEND_REDRAW_S", 0.3, 0.05, float),
+            zerogpu_max_s=_number(env, "SPECEXTEND_ZEROGPU_MAX_S", 120, 1),
         )
 
     def pair(self, key: str) -> PairChoice:

@@ -26,7 +26,7 @@ from visualizers import heads_spec, needle_spec, retrieval_spec, signal_html
 from visualizers.common import ending, label
 from visualizers.steps import last_step, step_html
 
-from . import documents
+from . import documents, zerogpu
 from .backend import EngineFactory, Loaded, PairCache, real_factory
 from .documents import DocumentError
 from .panels import machine_load, main_view, needle_view, status_html, step_view
@@ -302,7 +302,7 @@ class Studio:
                 f"template ({loaded.device}, {loaded.dtype})")
             prompt = loaded.codec.prompt(text, task, thinking=workload == "long_output")
             self.check_input(loaded, prompt)
-            return loaded.codec, prompt, loaded.max_positions, loaded.for_click()
+            return loaded.codec, prompt, loaded.max_positions, loaded.click()
 
         def configs(m: str, codec) -> GenerationConfig:  # the race runs the plain methods it names
             return build_config(m, knobs, codec.eos_ids, self.settings.max_new_tokens, lookup=m == method)
@@ -537,7 +537,7 @@ class Studio:
             if loaded.heads is not None and "needle" in prompt.marks and len(prompt.ids) < loaded.max_positions:
                 say("Reading where each of the target's heads looks (one prefill that keeps every head's queries)")
                 picture["map"] = loaded.heads(prompt.ids, prompt.marks["needle"])
-            return loaded.codec, prompt, loaded.max_positions, loaded.for_click()
+            return loaded.codec, prompt, loaded.max_positions, loaded.click()
 
         def configs(m: str, codec) -> GenerationConfig:  # both CMR runs are SpecExtend; they differ in the signal
             signal = "paper" if m == "specextend_paper" else "default"
@@ -568,8 +568,9 @@ class Studio:
 
 
 def build_app(factory: EngineFactory = real_factory, settings: Settings | None = None) -> gr.Blocks:
-    """The whole app, wired to `factory`; nothing is loaded until a run asks for it."""
-    settings = settings or Settings.from_env()
+    """The whole app, wired to `factory`; nothing is loaded until a run asks for it, unless the settings preload the
+    default pair (as a ZeroGPU Space always does: `zerogpu.adapt`)."""
+    factory, settings = zerogpu.adapt(factory, settings or Settings.from_env())
     studio = Studio(factory, settings)
     if settings.preload:  # before serving: a Space's first visitor should not wait for a download
         log.info("Preloading %s", settings.default.label)
