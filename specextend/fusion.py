@@ -11,7 +11,8 @@ from 2 to FUSED_ROWS (the row dimension is marked dynamic), per model shape and 
 update and the attention function the model is set to run as the family runs them, and hooks on a layer still fire.
 Prefill (more rows), training and any forward that records gradients run the family's own forward. A layer of
 another class stays as it is.
-The compiled code makes no CUDA graphs of its own, so a fused forward can be captured whole (steps.py).
+The compiled code makes no CUDA graphs of its own, so a fused forward can be captured whole (steps.py), and rounds
+half-precision results where eager code does, so a bf16 layer gives the family's numbers.
 Knows the families' decoder-layer math and torch.compile; knows nothing of the engine, attention plans, the cache's
 layout or which device should fuse (models.prepare decides).
 """
@@ -29,6 +30,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 FUSED_ROWS = 256  # compiled code serves forwards of up to this many rows (decode-time); more take the eager path
 LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")  # one layer formula
 BACKEND = "inductor"  # generated kernels (Triton on CUDA); "aot_eager" traces the same graph and runs it op by op
+# graphs each function may keep, two per model shape and dtype (one row; more rows): torch's default of 8 would be
+# spent by a target and a draft in two dtypes. Past it a new shape runs its ops one by one (a warning says so)
+GRAPHS = 64
 
 Norm = tuple[torch.Tensor, float]  # (weight (H,), eps)
 Linear = tuple[torch.Tensor, torch.Tensor | None]  # (weight (out, in), bias (out,) or None)
@@ -81,8 +85,10 @@ _COMPILED: dict[str, Compiled] = {}  # backend -> the pair every fused layer run
 def compiled(backend: str) -> Compiled:
     """The two functions compiled with `backend` (created once; each compiles on its first call per shape)."""
     if backend not in _COMPILED:
-        _COMPILED[backend] = Compiled(*(torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)
-                                        for fn in (before_attention, after_attention)))
+        # Inductor rounds half-precision results where eager does (it would keep fused intermediates in fp32)
+        options = {"emulate_precision_casts": True} if backend == "inductor" else None
+        _COMPILED[backend] = Compiled(*(torch.compile(fn, backend=backend, dynamic=False, recompile_limit=GRAPHS,
+                                                      options=options) for fn in (before_attention, after_attention)))
     return _COMPILED[backend]
 
 
@@ -94,11 +100,11 @@ def rows_vary(*tensors: torch.Tensor) -> None:
             torch._dynamo.mark_dynamic(t, 1)
 
 
-def norm(module: nn.Module) -> Norm:
+def norm_of(module: nn.Module) -> Norm:
     return module.weight, module.variance_epsilon
 
 
-def weights(module: nn.Linear) -> Linear:
+def linear_of(module: nn.Linear) -> Linear:
     return module.weight, module.bias
 
 
@@ -120,9 +126,9 @@ class FusedLayer(nn.Module):
         fused = compiled(self.fusion_backend)
         cos, sin = position_embeddings
         rows_vary(hidden_states, cos, sin)
-        head_norms = (norm(attn.q_norm), norm(attn.k_norm)) if hasattr(attn, "q_norm") else None
-        query, key, value = fused.before(hidden_states, cos, sin, norm(self.input_layernorm), weights(attn.q_proj),
-                                         weights(attn.k_proj), weights(attn.v_proj), head_norms, attn.head_dim)
+        head_norms = (norm_of(attn.q_norm), norm_of(attn.k_norm)) if hasattr(attn, "q_norm") else None
+        query, key, value = fused.before(hidden_states, cos, sin, norm_of(self.input_layernorm), linear_of(attn.q_proj),
+                                         linear_of(attn.k_proj), linear_of(attn.v_proj), head_norms, attn.head_dim)
         kwargs.update(position_ids=position_ids, use_cache=use_cache)  # what the family's attention hands on
         if cache is not None:
             key, value = cache.update(key, value, attn.layer_idx, kwargs=kwargs)
@@ -133,8 +139,8 @@ class FusedLayer(nn.Module):
         # (B, T, H_q, D) -> (B, T, H_q * D): one layout, as the family's reshape gives (a single row's may come strided)
         attended = attended.reshape(*hidden_states.shape[:-1], -1)
         rows_vary(attended)
-        return fused.after(hidden_states, attended, weights(attn.o_proj), norm(self.post_attention_layernorm),
-                           weights(mlp.gate_proj), weights(mlp.up_proj), weights(mlp.down_proj))
+        return fused.after(hidden_states, attended, linear_of(attn.o_proj), norm_of(self.post_attention_layernorm),
+                           linear_of(mlp.gate_proj), linear_of(mlp.up_proj), linear_of(mlp.down_proj))
 
 
 _FUSED_CLASSES: dict[type, type] = {}  # a family's decoder layer class -> its FusedLayer subclass

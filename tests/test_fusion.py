@@ -58,17 +58,20 @@ def test_fused_layers_give_the_families_logits_from_one_graph_per_row_kind(famil
     assert counters["graph_break"] == {}
 
 
-def test_decode_time_forwards_never_take_the_familys_forward(monkeypatch):
+def test_decode_time_forwards_never_take_the_familys_forward_and_hooks_still_fire(monkeypatch):
     model = prepare(tiny("llama", layers=2, seed=1))
     fusion.fuse(model, CPU_BACKEND)
     family = LlamaDecoderLayer.forward
-    rows = []
+    rows, hooked = [], []
     monkeypatch.setattr(LlamaDecoderLayer, "forward", lambda self, h, **kw: rows.append(h.shape[1]) or family(self, h, **kw))
+    model.model.layers[1].register_forward_hook(lambda module, args, out: hooked.append(out.shape[1]))  # target.py's kind
     with torch.no_grad():
-        model(input_ids=ids(1))
-        model(input_ids=ids(32))
-        model(input_ids=ids(fusion.FUSED_ROWS + 1))
-    assert rows == [fusion.FUSED_ROWS + 1] * 2
+        for length in (1, 32, fusion.FUSED_ROWS + 1):
+            model(input_ids=ids(length))
+        with torch.enable_grad():  # a forward that may record gradients
+            model(input_ids=ids(2))
+    assert rows == [fusion.FUSED_ROWS + 1] * 2 + [2] * 2
+    assert hooked == [1, 32, fusion.FUSED_ROWS + 1, 2]
 
 
 @pytest.mark.parametrize("family", ("llama", "qwen3"))
@@ -87,15 +90,29 @@ def test_greedy_output_through_the_engine_is_the_targets_own(family):
     assert graphs() == 8
 
 
-def test_inductor_code_gives_the_families_logits():
-    own = prepare(tiny("qwen3", layers=2, seed=2))
+def test_many_model_shapes_keep_their_graphs():
+    """Past torch's default of 8 graphs per function (a process may hold several targets and drafts). Traced only
+    ("eager" backend): what is counted is dynamo's graphs, not their code."""
+    models = [prepare(tiny("llama", layers=1, hidden=16 * (i + 1), heads=2, kv_heads=1, seed=i)) for i in range(9)]
+    with torch.no_grad():
+        for model in models:
+            want = model(input_ids=ids(1)).logits
+            fusion.fuse(model, "eager")
+            assert torch.equal(model(input_ids=ids(1)).logits, want)
+    assert graphs() == 2 * len(models)
+
+
+def test_inductor_code_rounds_half_precision_as_the_family_does():
+    """Generated code for a dynamic number of rows (the verification's graph), in bf16: with the casts emulated the
+    logits are the family's to the bit here (with fused intermediates kept in fp32 they differed by up to 0.28 and
+    changed 1 argmax in 32). A first run on a machine spends ~35 s of the two cores setting up the C++ compiler; later
+    runs read the compiled code from Inductor's cache."""
+    own = prepare(tiny("qwen3", layers=2, seed=2).to(torch.bfloat16))
     fused = copy.deepcopy(own)
     fusion.fuse(fused)
     with torch.no_grad():
-        for length in (1, 32):
-            want = own(input_ids=ids(length)).logits
-            torch.testing.assert_close(fused(input_ids=ids(length)).logits, want, rtol=1e-5, atol=1e-5)
-    assert graphs() == 4
+        assert torch.equal(fused(input_ids=ids(32)).logits, own(input_ids=ids(32)).logits)
+    assert graphs() == 2
 
 
 def test_only_the_supported_families_fuse_and_unfuse_restores_them():
