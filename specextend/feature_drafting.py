@@ -26,42 +26,58 @@ from .drafting import DraftTree, PolicyDrafter, GrowingTree, working_room
 from .heads import EagleHead
 from .methods import DraftCache
 from .retrieval import DraftCachePolicy
+from .steps import Step, StepRunner, make_runner
 from .target import FeatureRows
+
+
+class HeadRunner(StepRunner):
+    """An EAGLE head's forwards over its working cache, run as the target's are (from static buffers, captured on
+    CUDA): each entry is a token with a hidden state, the target's features (`variant` True: (T, F)) or the head's
+    own state fed back ((T, H)). Outputs: the logits over the target's vocabulary, then the output states (T, H)."""
+
+    def _eager(self, tokens: list[int], positions: torch.Tensor, plan: AttentionPlan, keep: int,
+               inputs: torch.Tensor | None, variant: bool) -> tuple[torch.Tensor, ...]:
+        states = head_forward(self.model, self.cache, tokens, inputs, positions, plan, variant)[-keep:]
+        return self.model.logits(states).float(), states
+
+    def _call(self, step: Step, plan: AttentionPlan, variant: bool) -> tuple[torch.Tensor, ...]:
+        states = self.model(step.ids, step.inputs, step.positions, self.cache, variant, attention_plan=plan)[0]
+        return self.model.logits(states), states
+
+
+@torch.no_grad()
+def head_forward(head: EagleHead, cache: KVCache, tokens: list[int], hidden: torch.Tensor, positions: torch.Tensor,
+                 plan: AttentionPlan, from_target: bool) -> torch.Tensor:
+    """Head entries (tokens, hidden (T, F or H)) at `positions` appended to `cache`: output states (T, H)."""
+    param = head.fc.weight
+    ids = torch.tensor([tokens], dtype=torch.long, device=param.device)
+    states = head(ids, hidden[None].to(param.device, param.dtype), positions[None].to(param.device), cache, from_target,
+                  attention_plan=plan)[0]
+    cache.note_appended(positions)
+    return states
 
 
 class FeatureDrafter(PolicyDrafter):
     """Drafts with an EAGLE head from a policy-managed working cache of head entries."""
 
-    runners = ()
-
     def __init__(self, head: EagleHead, config: GenerationConfig, policy: DraftCachePolicy, capacity: int) -> None:
         self.head = head
-        store = KVCache(1, capacity)
-        working = store if policy.name is DraftCache.FULL else KVCache(1, working_room(config, capacity))
-        super().__init__(config, policy, head.rotary_emb.inv_freq, store, working)
+        largest = max(config.draft.depth + 1, config.draft.width[0])  # the pending entries, or one tree level
+        steps = config.attention.steps
+        if policy.name is DraftCache.FULL:
+            self.runner = make_runner(head, capacity, steps, largest, kind=HeadRunner)
+            store = self.runner.cache
+        else:
+            store = KVCache(1, capacity)
+            self.runner = make_runner(head, working_room(config, capacity), steps, largest, kind=HeadRunner)
+        self.runners = (self.runner,)
+        super().__init__(config, policy, head.rotary_emb.inv_freq, store, self.runner.cache)
         # what the target hands over: its streams, turned into this head's features (T, F)
         self.features = FeatureRows(head.streams, lambda streams: head.features({i: h[None] for i, h in streams.items()})[0])
-        param = head.fc.weight
-        self.device, self.dtype = param.device, param.dtype
         self.tokens: list[int] = []  # pending: the next token of each pending feature row
         self.hidden: torch.Tensor | None = None  # pending: the target's features (m, F), set by prefill
         self._tree: GrowingTree | None = None
         self._states: dict[int, torch.Tensor] = {}  # node (-1: the root) -> the head's output state (H,)
-
-    @torch.no_grad()
-    def _forward(self, cache: KVCache, tokens: list[int], hidden: torch.Tensor, positions: torch.Tensor,
-                 plan: AttentionPlan, from_target: bool) -> torch.Tensor:
-        """Head entries (tokens, hidden (T, F or H)) at `positions` appended to `cache`: output states (T, H)."""
-        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        states = self.head(ids, hidden[None].to(self.device, self.dtype), positions[None].to(self.device), cache,
-                           from_target, attention_plan=plan)[0]
-        cache.note_appended(positions)
-        return states
-
-    @torch.no_grad()
-    def _logits(self, states: torch.Tensor) -> torch.Tensor:
-        """The head's logits over the target's vocabulary for output states (T, H): (T, V), fp32 on its device."""
-        return self.head.logits(states).float()
 
     def prefill(self, prompt: list[int], stop, block: int = 2048) -> Iterator[int]:
         """The store's entries for the prompt (its features with each next token; sliding window per the policy)."""
@@ -74,7 +90,8 @@ class FeatureDrafter(PolicyDrafter):
             if stop is not None and stop.is_set():
                 return
             end = min(start + block, body)
-            self._forward(self.store, prompt[start + 1 : end + 1], feats[start:end], torch.arange(start, end), plan, True)
+            head_forward(self.head, self.store, prompt[start + 1 : end + 1], feats[start:end], torch.arange(start, end), plan,
+                         True)
             yield end
         self.tokens, self.hidden = [], feats[body:]
 
@@ -83,17 +100,17 @@ class FeatureDrafter(PolicyDrafter):
         base = self.working.length
         m = len(self.tokens)
         plan = AttentionPlan("tree", self.kernels.verify, tree_mask=torch.ones(m, m, dtype=torch.bool).tril())
-        states = self._forward(self.working, self.tokens, self.hidden, torch.arange(base, base + m), plan, True)
+        logits = self.runner.forward(self.tokens, torch.arange(base, base + m), plan, 1, self.hidden, True)
         tree = GrowingTree(base + m - 1, base + m)
-        self._states = {-1: states[-1]}
+        self._states = {-1: self.runner.outputs[1][-1].clone()}  # kept past the runner's next forward
 
         def run(nodes: list[int], tokens: list[int], positions: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
             parents = torch.stack([self._states[tree.parents[n]] for n in nodes])  # (len(nodes), H)
-            out = self._forward(self.working, tokens, parents, positions, plan, False)
-            self._states.update(zip(nodes, out))
-            return self._logits(out)
+            level = self.runner.forward(tokens, positions, plan, len(nodes), parents, False)
+            self._states.update(zip(nodes, self.runner.outputs[1].clone()))
+            return level
 
-        self._tree = self.grow(tree, self._logits(states[-1]), room, generator, run)
+        self._tree = self.grow(tree, logits[-1], room, generator, run)
         return tree.freeze(sampling=generator is not None)
 
     def commit(self, tokens: list[int]) -> None:

@@ -399,14 +399,16 @@ def final_layer(model: PreTrainedModel) -> tuple[int, float]:
     return len(layers) - 1, float(layers[-1].self_attn.scaling)
 
 
-@torch.no_grad()
 def layer_devices(model: PreTrainedModel) -> tuple[torch.device, ...] | None:
     """Each decoder layer's device, for a model spread over several (None where it sits on one): its KV cache keeps a
     stacked buffer per device (cache.py)."""
+    if not isinstance(model, PreTrainedModel):  # an EAGLE head: one layer beside its target's first ones
+        return None
     devices = tuple(next(layer.parameters()).device for layer in model.base_model.layers)
     return devices if len(set(devices)) > 1 else None
 
 
+@torch.no_grad()
 def forward(
     model: PreTrainedModel, cache: KVCache, tokens: list[int], positions: torch.Tensor,
     plan: attention.AttentionPlan, logits_to_keep: int = 0,

@@ -70,16 +70,21 @@ class Tail:
 class QueryWindow:
     """The queries of the scoring heads for the last `rows` tokens the target has read, and their positions.
 
-    Per layer (H_sel, W, D) with W <= rows, oldest first; `positions` (W,) the tokens' positions. One verb: `push`,
-    which writes in place (`Tail`).
+    Per layer (H_sel, W, D) with W <= rows, oldest first; `positions` (W,) the tokens' positions. One verb: `push`.
+    Every scoring head of every layer sits in one buffer (`Tail`, written in place), so a push is a few ops whatever
+    the number of layers: join the layers' queries over the rows read, gather the scoring heads' rows, copy them in.
     """
 
     def __init__(self, heads: dict[int, tuple[int, ...]], rows: int) -> None:
         self.heads = heads
         self.rows = rows
-        self._queries = {layer: Tail(rows, 1) for layer in heads}
+        self.order = sorted(heads)
+        self.spans: dict[int, tuple[int, int]] = {}  # layer -> (first, count) along the buffer's head axis
+        for layer in self.order:
+            self.spans[layer] = (sum(c for _, c in self.spans.values()), len(heads[layer]))
+        self._tail = Tail(rows, 1)  # (H_sel over all layers, W, D)
         self._positions = Tail(rows, 0)
-        self._index: dict[tuple, torch.Tensor] = {}  # head lists as index tensors, on the queries' device
+        self._pick: dict[tuple, torch.Tensor] = {}  # (device, H_q) -> each scoring head's row in the joined queries
 
     @property
     def layers(self) -> frozenset[int]:
@@ -88,7 +93,10 @@ class QueryWindow:
     @property
     def queries(self) -> dict[int, torch.Tensor]:
         """Per layer the kept queries (H_sel, W, D), oldest first (views: valid until the next push)."""
-        return {layer: tail.view for layer, tail in self._queries.items() if tail.view is not None}
+        kept = self._tail.view
+        if kept is None:
+            return {}
+        return {layer: kept.narrow(0, first, count) for layer, (first, count) in self.spans.items()}
 
     @property
     def positions(self) -> torch.Tensor:
@@ -100,8 +108,7 @@ class QueryWindow:
         """A window of the same heads holding copies of the last `rows` (default: all of this window's) rows."""
         rows = rows or self.rows
         twin = QueryWindow(self.heads, rows)
-        twin._queries = {layer: tail.copy(rows) for layer, tail in self._queries.items()}
-        twin._positions = self._positions.copy(rows)
+        twin._tail, twin._positions = self._tail.copy(rows), self._positions.copy(rows)
         return twin
 
     def serves(self, other: QueryWindow) -> bool:
@@ -109,18 +116,18 @@ class QueryWindow:
         return self.heads == other.heads and self.rows >= other.rows
 
     def push(self, queries: dict[int, torch.Tensor], rows: torch.Tensor, positions: torch.Tensor) -> None:
-        """Add rows `rows` (indices into each forward's T_q) of queries {layer: (1, H_q, T_q, D)} at `positions`."""
+        """Add rows `rows` (indices into each forward's T_q, on the CPU) of queries {layer: (1, H_q, T_q, D)} at
+        `positions`."""
         rows = rows[-self.rows :]
-        device = next(iter(queries.values())).device
-        rows = rows.to(device)
-        for layer, heads in self.heads.items():
-            q = queries[layer][0]  # (H_q, T_q, D)
-            if heads != tuple(range(q.shape[0])):  # some heads: gather them (all heads: nothing to gather)
-                index = self._index.get((heads, device))
-                if index is None:
-                    index = self._index[(heads, device)] = torch.tensor(heads, device=device)
-                q = q.index_select(0, index)
-            self._queries[layer].push(q.index_select(1, rows))  # (H_sel, rows, D)
+        lo, hi = int(rows.min()), int(rows.max()) + 1  # only the rows read are joined
+        first = queries[self.order[0]]
+        device, n_heads = first.device, first.shape[1]
+        joined = torch.cat([queries[layer][0, :, lo:hi].to(device) for layer in self.order])  # (L_sel * H_q, hi - lo, D)
+        pick = self._pick.get((device, n_heads))
+        if pick is None:
+            flat = [i * n_heads + h for i, layer in enumerate(self.order) for h in self.heads[layer]]
+            pick = self._pick[(device, n_heads)] = torch.tensor(flat, device=device)
+        self._tail.push(joined[pick[:, None], (rows - lo).to(device)[None, :]])  # (H_sel, rows, D)
         self._positions.push(positions[-self.rows :].cpu())
 
 

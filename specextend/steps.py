@@ -72,9 +72,11 @@ def capacity_for(room: int, sizes: tuple[int, ...]) -> int:
     return -(-need // BUCKET) * BUCKET
 
 
-def make_runner(model, capacity: int, steps: str, largest: int, fixed: bool = False) -> StepRunner:
+def make_runner(model, capacity: int, steps: str, largest: int, fixed: bool = False,
+                kind: type[StepRunner] | None = None) -> StepRunner:
     """A KV cache for `capacity` tokens and the runner over it, for forwards of up to `largest` new tokens: padded
-    to a power of two, or (`fixed`) every forward of more than one token padded to the same size."""
+    to a power of two, or (`fixed`) every forward of more than one token padded to the same size. `kind`: the runner
+    class (a StepRunner by default; an EAGLE head's in feature_drafting.py)."""
     device = model.get_input_embeddings().weight.device
     mode = resolve_mode(steps, device)
     sizes = sizes_up_to(largest)
@@ -87,7 +89,7 @@ def make_runner(model, capacity: int, steps: str, largest: int, fixed: bool = Fa
         if runner is not None and runner.slots >= slots:
             runner.cache.crop(0)
             return runner
-    return StepRunner(model, KVCache(model.config.num_hidden_layers, slots, layer_devices(model)), mode, sizes)
+    return (kind or StepRunner)(model, KVCache(model.config.num_hidden_layers, slots, layer_devices(model)), mode, sizes)
 
 
 def release(runner: StepRunner) -> None:
@@ -128,14 +130,17 @@ class Step:
     slots: torch.Tensor  # (P,) cache slots the new keys go to
     keys: KeySplits  # the mask over the bucket
     bucket: int
-    logits: torch.Tensor | None = None  # (P, V): the captured forward's output
+    inputs: torch.Tensor | None = None  # (1, P, W): hidden-state inputs, for a runner whose model takes them
+    outputs: tuple[torch.Tensor, ...] = ()  # the captured forward's outputs, logits (P, V) first
     graph: torch.cuda.CUDAGraph | None = None
     queries: dict[int, torch.Tensor] = field(default_factory=dict)  # the captured forward's query tensors
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # ... and residual streams
 
 
 class StepRunner:
-    """Runs one model's forwards over its cache: eagerly, or from static buffers (captured on CUDA)."""
+    """Runs one model's forwards over its cache: eagerly, or from static buffers (captured on CUDA). A forward's
+    outputs are the logits, then whatever else the model gives (`outputs`: an EAGLE head's states); those of the
+    last forward stay in `outputs`, valid until the next one."""
 
     def __init__(self, model, cache: KVCache, mode: str, sizes: tuple[int, ...]) -> None:
         self.model, self.cache, self.mode, self.sizes = model, cache, mode, sizes
@@ -145,6 +150,7 @@ class StepRunner:
         self.dtype = model.get_input_embeddings().weight.dtype
         self.steps: OrderedDict[tuple, Step] = OrderedDict()
         self.captures = 0  # forwards captured so far (each a new (P, bucket) shape)
+        self.outputs: tuple[torch.Tensor, ...] = ()  # the last forward's kept rows of each output
 
     @property
     def slots(self) -> int:
@@ -152,59 +158,84 @@ class StepRunner:
         layer = self.cache.layers[0]
         return layer.keys.shape[2] if layer.is_initialized else self.cache.capacity
 
-    def forward(self, tokens: list[int], positions: torch.Tensor, plan: AttentionPlan, keep: int) -> torch.Tensor:
-        """Run `tokens` at `positions` (appending their KV): logits of the last `keep` tokens (keep, V), fp32 on the
-        model's device (what the caller needs of them, it reduces there first: an argmax, a top-k)."""
+    def forward(self, tokens: list[int], positions: torch.Tensor, plan: AttentionPlan, keep: int,
+                inputs: torch.Tensor | None = None, variant: bool = False) -> torch.Tensor:
+        """Run `tokens` at `positions` (appending their KV), with hidden-state `inputs` (T, W) for a model that takes
+        them (`variant`: which of its two input kinds): logits of the last `keep` tokens (keep, V), fp32 on the
+        model's device (what the caller needs of them, it reduces there first: an argmax, a top-k); valid until the
+        next forward."""
         t = len(tokens)
         size = next((s for s in self.sizes if s >= t), None)
         layer = self.cache.layers[0]
         base = self.cache.length
         if (self.mode == "eager" or plan.kind != "tree" or size is None or not layer.is_initialized
                 or base + size > layer.keys.shape[2]):
-            return forward(self.model, self.cache, tokens, positions, plan, keep)
+            self.outputs = self._eager(tokens, positions, plan, keep, inputs, variant)
+            return self.outputs[0]
         bucket = min(-(-(base + size) // BUCKET) * BUCKET, layer.keys.shape[2])
-        step = self._step(size, bucket, layer.keys.data_ptr(), plan.capture.key if plan.capture is not None else None)
-        self._fill(step, tokens, positions, plan.tree_mask, base)
+        width = None if inputs is None else inputs.shape[-1]
+        step = self._step(size, bucket, layer.keys.data_ptr(), plan.capture.key if plan.capture is not None else None,
+                          (variant, width))
+        self._fill(step, tokens, positions, plan.tree_mask, base, inputs)
         static = replace(plan, kind="static", kernel="split", tree_mask=None, keys=step.keys)
         if self.mode == "static":
-            logits = self._run(step, static)
+            outputs = self._run(step, static, variant)
         else:
             if step.graph is None:
-                self._capture(step, static)
+                self._capture(step, static, variant)
             step.graph.replay()
-            logits = step.logits
+            outputs = step.outputs
             if plan.capture is not None:
                 plan.capture.queries.update(step.queries)
                 plan.capture.hidden.update(step.hidden)
         for kv in self.cache.layers:
             kv.length = base + t
         self.cache.note_appended(positions)
-        return logits[t - keep : t].float()
+        kept = [out[t - keep : t] for out in outputs]
+        self.outputs = (kept[0].float(), *kept[1:])
+        return self.outputs[0]
 
-    def _step(self, size: int, bucket: int, buffer: int, layers: tuple | None) -> Step:
+    def _eager(self, tokens: list[int], positions: torch.Tensor, plan: AttentionPlan, keep: int,
+               inputs: torch.Tensor | None, variant: bool) -> tuple[torch.Tensor, ...]:
+        """The forward the usual way (prefill; a forward that does not fit the buffers): its kept outputs."""
+        return (forward(self.model, self.cache, tokens, positions, plan, keep),)
+
+    def _call(self, step: Step, plan: AttentionPlan, variant: bool) -> tuple[torch.Tensor, ...]:
+        """The model over a step's buffers: its outputs over all P rows, logits first."""
+        out = self.model(input_ids=step.ids, position_ids=step.positions, cache=self.cache, use_cache=True,
+                         attention_plan=plan, logits_to_keep=0)
+        return (out.logits[0],)
+
+    def _step(self, size: int, bucket: int, buffer: int, layers: tuple | None, inputs: tuple) -> Step:
         # a reallocated cache buffer makes every step captured over the old one stale; a step captured for some
-        # layers' queries (and streams) serves only requests that keep the same
-        key = (size, bucket, buffer, layers)
+        # layers' queries (and streams), or for one kind and width of inputs, serves only forwards that keep the same
+        key = (size, bucket, buffer, layers, inputs)
         if key in self.steps:
             self.steps.move_to_end(key)
             return self.steps[key]
         mask = torch.zeros(size, bucket, dtype=torch.bool, device=self.device)
         new = lambda: torch.zeros(1, size, dtype=torch.long, device=self.device)  # noqa: E731
+        width = inputs[1]
         step = Step(new(), new(), torch.arange(size, device=self.device),
-                    KeySplits.of(mask, self.groups, splits_for(bucket, self.groups * size), self.dtype), bucket)
+                    KeySplits.of(mask, self.groups, splits_for(bucket, self.groups * size), self.dtype), bucket,
+                    None if width is None else torch.zeros(1, size, width, dtype=self.dtype, device=self.device))
         self.steps[key] = step
         if len(self.steps) > KEEP:
             self.steps.popitem(last=False)
         return step
 
-    def _fill(self, step: Step, tokens: list[int], positions: torch.Tensor, tree_mask: torch.Tensor, base: int) -> None:
-        """Load one forward's inputs and mask into the step's buffers. Padding rows repeat the last token at its
-        position and write to the slots after the real ones, which stay outside the cache's length."""
+    def _fill(self, step: Step, tokens: list[int], positions: torch.Tensor, tree_mask: torch.Tensor, base: int,
+              inputs: torch.Tensor | None = None) -> None:
+        """Load one forward's inputs and mask into the step's buffers. Padding rows repeat the last token (and input
+        row) at its position and write to the slots after the real ones, which stay outside the cache's length."""
         t, size = len(tokens), step.ids.shape[1]
         ids = torch.tensor(tokens + tokens[-1:] * (size - t), dtype=torch.long)
         pos = torch.cat([positions, positions[-1:].expand(size - t)])
         step.ids.copy_(ids[None], non_blocking=True)
         step.positions.copy_(pos[None], non_blocking=True)
+        if inputs is not None:
+            step.inputs[0, :t].copy_(inputs)
+            step.inputs[0, t:].copy_(inputs[-1:].expand(size - t, -1))
         step.slots.copy_(torch.arange(base, base + size), non_blocking=True)
         tail = tree_mask.shape[1]
         prefix = base + t - tail
@@ -216,28 +247,26 @@ class StepRunner:
         step.keys.fill_(mask, self.groups)
 
     @torch.no_grad()
-    def _run(self, step: Step, plan: AttentionPlan) -> torch.Tensor:
-        """The static forward: logits (P, V)."""
+    def _run(self, step: Step, plan: AttentionPlan, variant: bool) -> tuple[torch.Tensor, ...]:
+        """The static forward: its outputs over P rows, logits (P, V) first."""
         for kv in self.cache.layers:
             kv.static = (step.slots, step.bucket)
         try:
-            out = self.model(input_ids=step.ids, position_ids=step.positions, cache=self.cache, use_cache=True,
-                             attention_plan=plan, logits_to_keep=0)
+            return self._call(step, plan, variant)
         finally:
             for kv in self.cache.layers:
                 kv.static = None
-        return out.logits[0]
 
-    def _capture(self, step: Step, plan: AttentionPlan) -> None:
+    def _capture(self, step: Step, plan: AttentionPlan, variant: bool) -> None:
         """Warm the forward up on a side stream (lazy kernel set-up must not happen in a capture), then capture it."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._run(step, plan)
+            self._run(step, plan, variant)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         step.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(step.graph):
-            step.logits = self._run(step, plan)
+            step.outputs = self._run(step, plan, variant)
         if plan.capture is not None:
             step.queries = {layer: plan.capture.queries[layer] for layer in plan.capture.layers}
             step.hidden = {stream: plan.capture.hidden[stream] for stream in plan.capture.streams}

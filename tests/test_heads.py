@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from scipy.stats import chisquare
 from transformers import LlamaConfig
 
-from specextend.config import DraftConfig, LookupConfig, RetrievalConfig, preset
+from specextend.config import AttentionConfig, DraftConfig, LookupConfig, RetrievalConfig, preset
 from specextend.engine import generate
 from specextend.events import Drafted, Verified
 from specextend.feature_drafting import FeatureDrafter
@@ -167,6 +167,29 @@ def test_greedy_with_a_head_is_the_targets_own_output(head_pair, method, shape, 
     assert list(trace[-1].token_ids) == reference_greedy(head_pair.target, prompt, 24)
     drafted = [e for e in trace if isinstance(e, Drafted)]
     assert drafted and all("draft" in e.sources or "both" in e.sources for e in drafted[:1])
+
+
+@pytest.mark.parametrize("method", ["speculative", "specextend"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_heads_rounds_run_from_static_buffers_and_stay_lossless(head_pair, monkeypatch, method, shape):
+    """With static steps (the code a CUDA graph captures) the head's rounds run from its runner's buffers as the
+    target's do: the pending entries with the target's features, then each tree level with the head's own states
+    fed back; the output is still the target's own, and no round fell back to the eager path."""
+    from specextend.feature_drafting import HeadRunner
+
+    ran, eager = [], []
+    run_static, run_eager = HeadRunner._run, HeadRunner._eager
+    monkeypatch.setattr(HeadRunner, "_run", lambda self, step, plan, variant: ran.append(variant)
+                        or run_static(self, step, plan, variant))
+    monkeypatch.setattr(HeadRunner, "_eager", lambda self, *a: eager.append(1) or run_eager(self, *a))
+    prompt = [int(t) for t in torch.randint(0, VOCAB, (37,), generator=torch.Generator().manual_seed(4))]
+    config = preset(method, max_new_tokens=24, draft=SHAPES[shape], retrieval=SMALL_CACHE,
+                    attention=AttentionConfig(verify="auto", steps="static"))
+    trace = list(generate(head_pair, prompt, config))
+    assert list(trace[-1].token_ids) == reference_greedy(head_pair.target, prompt, 24)
+    drafted = [e for e in trace if isinstance(e, Drafted)]
+    assert ran.count(True) == len(drafted) and not eager  # one round of pending entries per drafting step
+    assert ran.count(False) == sum(e.draft_forwards - 1 for e in drafted)  # and one per fed tree level
 
 
 def oracle_pair():
