@@ -8,7 +8,7 @@ checked with the same `compat.check_pair` a download would meet. The pair is the
 (`backend.serve`) to `Studio.run`, which tokenizes, races the methods, and checks that their greedy outputs agree.
 Pairs run one at a time, so each change of pair also exercises the freeing of the last one. `--shrink` keeps every
 shape but two layers and a narrow width, so the CPU runs it in seconds (a test does).
-Writes preset_check.json under --out and prints one line per preset.
+Writes preset_check.json under --out (again after each preset) and prints one line per preset.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import json
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -164,38 +165,66 @@ def factory_for(shrink: bool, device: torch.device, dtype: torch.dtype, timings:
     return factory
 
 
-def run(shrink: bool, tokens: int, max_new: int, presets: list[str], workload: str = "document") -> list[dict]:
-    """One race per preset through `Studio.run`; `workload` "long_output" asks for a long output from a short prompt."""
-    from .ui import KNOB_NAMES, SessionState, Studio
+RACE = ("specextend", "speculative", "autoregressive")  # a click's race: SpecExtend (with lookup) first
 
+
+def device_dtype() -> tuple[torch.device, torch.dtype]:
+    """CUDA in bf16 where there is one, else the CPU in fp32."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    timings: dict[str, float] = {}
+    return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def document_for(key: str, tokens: int, max_new: int) -> str:
+    """A document of `tokens` words (one token each under `word_tokenizer`), or as many as preset `key`'s target holds
+    with `max_new` new tokens and the template's few (vicuna-7b-eagle's target has 2,048 positions)."""
+    return " ".join(f"w{(i * 7919) % 30000 + 10}" for i in range(min(tokens, SHAPES[key][0]["context"] - max_new - 16)))
+
+
+def studio_for(shrink: bool, presets: list[str], max_new: int, timings: dict):
+    """A Studio serving `presets`, each built at random when chosen (its build seconds go to `timings`), and the knob
+    values a race asks with: the defaults, `max_new` new tokens."""
+    from .ui import KNOB_NAMES, Studio
+
     settings = Settings(pairs=tuple(PRESETS[p] for p in presets), max_new_tokens=max_new)
-    studio = Studio(factory_for(shrink, device, dtype, timings), settings)
     knobs = replace(Knobs(), max_new_tokens=max_new)
-    values = [getattr(knobs, name) for name in KNOB_NAMES]
-    document = " ".join(f"w{(i * 7919) % 30000 + 10}" for i in range(tokens))
-    results = []
+    return Studio(factory_for(shrink, *device_dtype(), timings), settings), [getattr(knobs, n) for n in KNOB_NAMES]
+
+
+def race(studio, key: str, document: str, values: list, workload: str = "document"):
+    """One click's race through `Studio.run` on preset `key`: the finished job and each method's output ids."""
+    from .ui import SessionState
+
+    state = SessionState()
+    *_, last = studio.run(state, document, "w5 w6 w7", key, RACE[0], list(RACE[1:]), "0.3", *values, workload=workload)
+    if state.job is None:  # refused before it began: the status says why
+        raise ValueError(last[0])
+    runs = state.job.runs
+    return state.job, {m: list(events[-1].token_ids) for m, events in runs.items() if hasattr(events[-1], "token_ids")}
+
+
+def agree(outputs: dict[str, list[int]]) -> bool:
+    """Every method of the race ran and wrote the same tokens (greedy decoding is lossless)."""
+    return len(outputs) == len(RACE) and len({tuple(ids) for ids in outputs.values()}) == 1
+
+
+def run(shrink: bool, tokens: int, max_new: int, presets: list[str], workload: str = "document") -> Iterator[dict]:
+    """One race per preset through `Studio.run`; `workload` "long_output" asks for a long output from a short prompt."""
+    device, dtype = device_dtype()
+    timings: dict[str, float] = {}
+    studio, values = studio_for(shrink, presets, max_new, timings)
     for key in presets:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        state = SessionState()
         start = time.perf_counter()
-        *_, last = studio.run(state, document, "w5 w6 w7", key, "specextend", ["speculative", "autoregressive"],
-                              "0.3", *values, workload=workload)
-        job = state.job
-        outputs = {m: list(events[-1].token_ids) for m, events in job.runs.items() if hasattr(events[-1], "token_ids")}
-        results.append({
+        job, outputs = race(studio, key, document_for(key, tokens, max_new), values, workload)
+        yield {
             "preset": key, "workload": workload, "error": job.error, "build_s": round(timings.get(key, 0.0), 2),
             "run_s": round(time.perf_counter() - start, 2), "prompt_tokens": len(job.prompt.ids) if job.prompt else 0,
             "methods": sorted(outputs), "new_tokens": {m: len(ids) for m, ids in outputs.items()},
             "draft": next((e.draft_name for e in job.runs.get("specextend", ()) if hasattr(e, "draft_name")), ""),
-            "outputs_agree": len({tuple(ids) for ids in outputs.values()}) == 1 and len(outputs) == 3,
-            "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+            "outputs_agree": agree(outputs), "device": str(device), "dtype": str(dtype).replace("torch.", ""),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if device.type == "cuda" else None,
-        })
-    return results
+        }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,19 +232,20 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shrink", action="store_true", help="two narrow layers per model (CPU, seconds)")
     p.add_argument("--tokens", type=int, help="document length in words (one token each; default 8000, 64 with "
-                                              "--long-output)")
+                                              "--long-output), or as many as the target's context holds")
     p.add_argument("--max-new-tokens", type=int, help=f"default 32 ({LONG_OUTPUT_TOKENS} with --long-output)")
     p.add_argument("--long-output", action="store_true", help="the long-output workload: a short prompt, a long output")
     p.add_argument("--presets", default=",".join(SHAPES), help="comma-separated preset names")
     p.add_argument("--out", type=Path, default=Path("results/preset_check"))
     args = p.parse_args(argv)
     tokens, max_new = (64, LONG_OUTPUT_TOKENS) if args.long_output else (8000, 32)
-    results = run(args.shrink, args.tokens or tokens, args.max_new_tokens or max_new,
-                  [k.strip() for k in args.presets.split(",")], "long_output" if args.long_output else "document")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "preset_check.json").write_text(json.dumps(results, indent=1))
-    for r in results:
-        print(json.dumps(r))
+    results = []
+    for r in run(args.shrink, args.tokens or tokens, args.max_new_tokens or max_new,
+                 [k.strip() for k in args.presets.split(",")], "long_output" if args.long_output else "document"):
+        results.append(r)
+        (args.out / "preset_check.json").write_text(json.dumps(results, indent=1))  # after each: a cut run keeps these
+        print(json.dumps(r), flush=True)
     return 0 if all(r["outputs_agree"] and not r["error"] for r in results) else 1
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gc
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -18,13 +17,8 @@ import pytest
 from app import Settings
 from app.backend import HEAD_PICTURES, head_pictures
 from app.runner import Job, _malloc_trim
+from app.soak import rss_mb
 from fixtures.fake_engine import fake_factory
-
-
-def rss_mb() -> float:
-    """This process's resident memory, from /proc."""
-    with open("/proc/self/status") as f:
-        return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1)) / 1024
 
 
 def finished(prepare) -> Job:

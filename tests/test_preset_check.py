@@ -29,3 +29,11 @@ def test_a_thinking_preset_writes_a_long_output_through_the_apps_handler(tmp_pat
     (result,) = json.loads((tmp_path / "preset_check.json").read_text())
     assert result["workload"] == "long_output" and result["outputs_agree"] and result["error"] == "", result
     assert result["prompt_tokens"] < 150 and set(result["new_tokens"].values()) == {160}
+
+
+def test_a_document_longer_than_a_targets_context_is_cut_to_fit_it(tmp_path):
+    assert main(["--shrink", "--tokens", "3000", "--max-new-tokens", "2", "--presets", "vicuna-7b-eagle",
+                 "--out", str(tmp_path)]) == 0
+    (result,) = json.loads((tmp_path / "preset_check.json").read_text())
+    context = SHAPES["vicuna-7b-eagle"][0]["context"]
+    assert context - 16 <= result["prompt_tokens"] <= context - 2 and result["outputs_agree"], result

@@ -5,7 +5,6 @@ output their own run gets alone."""
 
 from __future__ import annotations
 
-import re
 import socket
 import threading
 import time
@@ -13,17 +12,12 @@ import time
 import pytest
 
 from app import Settings, build_app, launch
-from app.settings import BUNDLED
 from app.runner import Knobs
+from app.settings import BUNDLED
+from app.soak import rss_mb
 from fixtures.fake_engine import fake_factory
 
 pytestmark = pytest.mark.soak
-
-
-def rss_mb() -> float:
-    """This process's resident memory, from /proc."""
-    with open("/proc/self/status") as f:
-        return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1)) / 1024
 
 
 @pytest.fixture(scope="module")

@@ -6,15 +6,13 @@ resident memory stays within 15% of where it stood. About two minutes on a 2-cor
 from __future__ import annotations
 
 import os
-import re
-import threading
-import time
 
 import pytest
 import torch
 
 from app import Settings, documents
 from app.settings import BUNDLED
+from app.soak import rss_mb, settled
 
 pytestmark = pytest.mark.soak
 
@@ -22,19 +20,6 @@ WARM_UP = 4  # two races and two needle runs: the pair loads, every kernel and c
 RUNS = 24  # then twelve of each, alternating
 CHARS = 6000  # about 1,500 prompt tokens
 NEW = 12
-
-
-def rss_mb() -> float:
-    """This process's resident memory, from /proc."""
-    with open("/proc/self/status") as f:
-        return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1)) / 1024
-
-
-def settled() -> None:
-    """Wait for the last job's thread to return (it hands the run's memory back after its result is out)."""
-    deadline = time.monotonic() + 60
-    while any(t.name == "specextend-job" for t in threading.enumerate()) and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,53 @@
+"""The prepared GPU proof's CPU run: `bash scripts/gpu_proof.sh --quick` runs every part in tiny shapes and leaves a
+summary and an archive holding what each part wrote, so the script cannot rot before a GPU runs it; a part that the
+deadline leaves no time for is skipped and fails the run (after the preflight, nothing else runs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from app.preset_check import SHAPES
+
+pytestmark = pytest.mark.soak  # about a minute and a half on a 2-core CPU
+
+ROOT = Path(__file__).resolve().parents[1]
+PARTS = ("preflight", "gpu_check", "presets", "long", "soak")
+
+
+def proof(out: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "scripts/gpu_proof.sh", *args], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OUT": str(out), "PYTHON": sys.executable, **env})
+
+
+def test_the_quick_proof_runs_every_part_and_keeps_what_each_wrote(tmp_path):
+    done = proof(tmp_path, "--quick")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    summary = (tmp_path / "summary.md").read_text()
+    assert all(f"| {part} | ok |" in summary for part in PARTS), summary
+    with tarfile.open(tmp_path / "gpu_proof.tar.gz") as archive:
+        archive.extractall(tmp_path / "parts", filter="data")
+    parts = tmp_path / "parts"
+    assert {p.name for p in parts.glob("*.log")} == {f"{part}.log" for part in PARTS}
+    check = json.loads((parts / "gpu_check" / "gpu_check.json").read_text())
+    assert check["errors"] == {} and check["kernels"] and check["quick"]
+    presets = json.loads((parts / "presets" / "preset_check.json").read_text())
+    assert [r["preset"] for r in presets] == list(SHAPES) and all(r["outputs_agree"] for r in presets)
+    (long,) = json.loads((parts / "long" / "preset_check.json").read_text())
+    assert long["workload"] == "long_output" and set(long["new_tokens"].values()) == {32}
+    soak = json.loads((parts / "soak" / "soak.json").read_text())
+    assert soak["runs_done"] == 12 and all(c["ok"] for c in soak["checks"])
+
+
+def test_a_part_the_deadline_leaves_no_time_for_is_skipped_and_fails_the_run(tmp_path):
+    done = proof(tmp_path, "--quick", DEADLINE="5")
+    assert done.returncode == 1
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| preflight | SKIPPED: the deadline is near |" in summary and "| soak |" not in summary, summary
+    assert tarfile.is_tarfile(tmp_path / "gpu_proof.tar.gz")
