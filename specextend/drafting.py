@@ -195,7 +195,7 @@ class PolicyDrafter:
         rerank = cfg.shape == "tree" and generator is None
         budget = RERANK_GROWTH * cfg.budget if rerank else cfg.budget
         threshold = math.log(cfg.stop_threshold) if cfg.shape == "tree" and cfg.stop_threshold > 0 else -math.inf
-        tree.expand(-1, self._logq(logits), min(children, budget), generator)
+        tree.expand([-1], self._logq(logits[None]), children, budget, generator)
         for level in range(1, min(cfg.depth, room)):
             room_left = budget - len(tree.tokens)
             frontier = sorted((i for i, d in enumerate(tree.depths) if d == level), key=lambda i: -tree.cum[i])[:branch]
@@ -203,11 +203,7 @@ class PolicyDrafter:
             if room_left <= 0 or not frontier:
                 break
             level_logits = tree.feed(run, frontier, self.kernels.verify)
-            for i, node in enumerate(frontier):
-                room_left = budget - len(tree.tokens)
-                if room_left <= 0:
-                    break
-                tree.expand(node, self._logq(level_logits[i]), min(children, room_left), generator)
+            tree.expand(frontier, self._logq(level_logits), children, budget, generator)
         if rerank:
             tree.prune(cfg.budget)
         tree.vocab = logits.shape[-1]
@@ -315,20 +311,31 @@ class GrowingTree:
         self.forwards = 1
         self.vocab = 0  # the width of the q rows
 
-    def expand(self, node: int, logq: torch.Tensor, n: int, generator) -> None:
-        """Give `node` (-1: the root) `n` children drawn from log q (kept as the node's q row when sampling)."""
-        parent_cum = 0.0 if node < 0 else self.cum[node]
-        depth = 1 if node < 0 else self.depths[node] + 1
-        if generator is not None:
-            self.q_rows[node + 1] = logq.exp()
-        picked = draw_children(logq, n, generator)
-        ids, values = torch.stack((picked.double(), logq[picked].double())).tolist()  # one copy to the host: (2, n)
-        for token, value in ((int(t), v) for t, v in zip(ids, values) if v != -math.inf):  # never a token of q 0
-            self.tokens.append(token)
-            self.parents.append(node)
-            self.depths.append(depth)
-            self.cum.append(parent_cum + value)
-            self.probs.append(math.exp(value))
+    def expand(self, nodes: list[int], logq: torch.Tensor, children: int, budget: int, generator) -> None:
+        """Give each of `nodes` (-1: the root), in turn, up to `children` children drawn from its row of log q (k, V)
+        (kept as the node's q row when sampling), while the tree has fewer than `budget` nodes. The draws of a level are
+        made at once where log q lies and come to the host in one copy."""
+        room = budget - len(self.tokens)
+        if room <= 0:
+            return
+        picked = draw_children(logq, min(children, room), generator)  # (k, n)
+        ids, values = torch.stack((picked.double(), logq.gather(-1, picked).double())).tolist()  # (2, k, n)
+        for i, node in enumerate(nodes):
+            n = min(children, budget - len(self.tokens))
+            if n <= 0:
+                break
+            if generator is not None:
+                self.q_rows[node + 1] = logq[i].exp()
+            parent_cum = 0.0 if node < 0 else self.cum[node]
+            depth = 1 if node < 0 else self.depths[node] + 1
+            for token, value in zip(ids[i][:n], values[i][:n]):
+                if value == -math.inf:  # never a token of q 0
+                    continue
+                self.tokens.append(int(token))
+                self.parents.append(node)
+                self.depths.append(depth)
+                self.cum.append(parent_cum + value)
+                self.probs.append(math.exp(value))
 
     def prune(self, budget: int) -> None:
         """Keep the `budget` nodes of highest cumulative log q, renumbered in order. The kept set is a tree: a child's
