@@ -10,7 +10,10 @@ step costs do. Sections (each runs on its own; a failing one is reported and the
   captured), the drafts' steps over the whole prefix and over a CMR working cache; each step's bandwidth floor
   (bytes of weights and KV read / measured read bandwidth); prefill time and peak memory up to the longest length;
 - curve: the captured verification step against the tree's node count (what GPU tree budgets are chosen from);
-- engine: the whole loop per method at one length (per-phase milliseconds per step);
+- engine: the whole loop per method at one length (per-phase milliseconds per step), and its wall time per step
+  against the device time of its steps (loop/device: 1.0 when the device never waits on the host);
+- profile: where a step's device time goes (kernels, the costliest ones);
+- fusion (GPU only): the steps with the families' own layers, FusedRMSNorm alone, and fused layers (fusion.py);
 - projection, labelled so: the speedup over autoregressive those step costs would give at 2, 3 and 4 tokens per step.
 `--quick` runs tiny shapes in seconds on CPU, static steps standing in for captured ones (a test runs it).
 Writes gpu_check.json and gpu_check.md under --out and prints the markdown.
@@ -29,6 +32,7 @@ from transformers.models.llama import modeling_llama
 
 from ..attention import (AttentionPlan, KeySplits, full_tree_mask, hybrid_tree_attention, math_attention,
                         onecall_tree_attention, prefill_attention, split_attention)
+from .. import fusion
 from ..cache import KVCache
 from ..config import AttentionConfig, DraftConfig, RetrievalConfig, preset
 from ..verification import tree_mask
@@ -202,17 +206,20 @@ def profile_steps(target, device, length: int, vocab: int, fast: str, repeats: i
     return out
 
 
-def bench_norms(target, device, length: int, vocab: int, fast: str) -> dict:
-    """The captured steps with the families' own RMSNorm and with FusedRMSNorm (what `prepare` gives on CUDA)."""
+def bench_fusion(target, device, length: int, vocab: int, fast: str) -> dict:
+    """The steps with the families' own layers, with FusedRMSNorm alone, and with fused layers (fusion.fuse: what
+    `prepare` gives on CUDA), each in a fresh runner: the autoregressive step, the verification, and the first use
+    (compiles, captures)."""
     sizes = (1, NODES + 1)
     cache = KVCache(target.config.num_hidden_layers, capacity_for(length + 64, sizes))
     prefill_to(target, cache, length, vocab)
     norms = [m for m in target.modules() if isinstance(m, FusedRMSNorm)]
     out = {}
     try:
-        for variant in ("own", "fused"):
+        for variant in ("own", "fused norms", "fused layers"):
             for m in norms:
                 m.__class__ = modeling_llama.LlamaRMSNorm if variant == "own" else FusedRMSNorm  # the check's target is a Llama
+            (fusion.fuse if variant == "fused layers" else fusion.unfuse)(target)
             start = time.perf_counter()
             runner = StepRunner(target, cache, fast, sizes)
             out[variant] = {"ar_ms": step_ms(runner, 0, "hybrid", device), "verify_ms": step_ms(runner, NODES, "hybrid", device),
@@ -220,6 +227,7 @@ def bench_norms(target, device, length: int, vocab: int, fast: str) -> dict:
     finally:
         for m in norms:
             m.__class__ = FusedRMSNorm
+        fusion.fuse(target)
     return out
 
 
@@ -354,10 +362,10 @@ def markdown(report: dict, fast: str) -> str:
             lines.append(f"- {name}: {p['device_ms']:.2f} ms on the device in {p['kernels']:.0f} kernels; costliest: "
                          + "; ".join(f"{k} {ms:.3f} ms x{n}" for k, ms, n in p["top"][:6]))
         lines.append("")
-    if "norms" in report:
-        lines += ["## The families' own RMSNorm against FusedRMSNorm (captured steps, ms)", ""] + [
+    if "fusion" in report:
+        lines += ["## The families' own layers, FusedRMSNorm alone, and fused layers (ms)", ""] + [
             f"- {k}: AR {v['ar_ms']:.2f}, {NODES + 1}-token verify {v['verify_ms']:.2f}, first use {v['first_s']:.1f} s"
-            for k, v in report["norms"].items()] + [""]
+            for k, v in report["fusion"].items()] + [""]
     if "projection" in report:
         lines += ["## PROJECTION (not measured): speedup over autoregressive at tau tokens per step", "",
                   "Five draft forwards over the working cache plus one captured verification, against the captured "
@@ -391,6 +399,16 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
 
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save() -> str:  # after every section, so a run cut short keeps what it measured
+        report["criteria"] = criteria(report, fast)
+        (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
+        text = markdown(report, fast)
+        (out / "gpu_check.md").write_text(text)
+        return text
+
     def section(name, fn):
         if name in skip:
             return
@@ -400,6 +418,7 @@ def main(argv=None) -> int:
         except Exception as error:  # noqa: BLE001  (a failed section is reported; the others still run)
             report["errors"][name] = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=6)}"
         report.setdefault("seconds", {})[name] = round(time.perf_counter() - start, 1)
+        save()
 
     report["bandwidth_gbs"] = read_bandwidth(device, 0.0625 if quick else 2.0) / 1e9
     section("kernels", lambda: check_kernels(device, dtype, quick))
@@ -412,14 +431,8 @@ def main(argv=None) -> int:
     section("engine", lambda: bench_engine(models, device, report["middle"], vocab))
     section("profile", lambda: profile_steps(models["target"], device, report["middle"], vocab, fast))
     if not quick:  # an experiment for GPUs (compiling on a CPU takes longer than the whole quick run)
-        section("norms", lambda: bench_norms(models["target"], device, report["middle"], vocab, fast))
-    report["criteria"] = criteria(report, fast)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
-    text = markdown(report, fast)
-    (out / "gpu_check.md").write_text(text)
-    print(text)
+        section("fusion", lambda: bench_fusion(models["target"], device, report["middle"], vocab, fast))
+    print(save())
     return 0 if not report["errors"] else 1
 
 
