@@ -1,12 +1,16 @@
 """The soak script, `python -m app.soak`: its checks flag a reading that grows, a count that moves, a pair that settles
-higher on its second visit and a race whose outputs differ; its counts see a model and a step runner come and go; and
+higher on its second visit, a race whose outputs differ and tensors left in reference cycles; its counts see a model
+and a step runner come and go, and tensors that only a cycle holds are measured; and
 `--shrink` runs the real engine through the app's run handler on the CPU, A -> B -> A, with every check passing."""
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 
 import pytest
+import torch
 
 from app import soak
 from conftest import tiny
@@ -21,7 +25,7 @@ def readings(visits: list[tuple[str, list[dict]]]) -> list[dict]:
         for values in runs:
             out.append({"run": len(out) + 1, "visit": visit, "pair": pair, "s": 1.0, "agree": True, "error": "",
                         **{m: None for m in soak.MEASURES}, "rss_mib": 600, "models": 4, "tokenizers": 1, "runners": 2,
-                        "steps": 5, "captures": 5,
+                        "steps": 5, "captures": 5, "cyclic_mib": 0.0,
                         **values})
     return out
 
@@ -54,6 +58,29 @@ def test_a_pair_visited_again_must_settle_where_it_did_and_every_race_must_agree
         "greedy outputs of the race agree, no errors": ["run 2: outputs differ", "run 3: CUDA out of memory"]}
 
 
+def test_after_warm_up_a_run_may_leave_no_tensors_to_the_cyclic_collector():
+    cycles = readings([("a", [{"cyclic_mib": 114.2}, {"cyclic_mib": 0.0}, {"cyclic_mib": 0.7}])])  # the first builds
+    assert failed(soak.checks(cycles, warm_up=1)) == {
+        "after warm-up, a run leaves no tensors to the cyclic garbage collector": ["run 3: 0.7 MiB held by reference "
+                                                                                  "cycles only"]}
+
+
+def test_tensors_only_a_reference_cycle_holds_are_measured_then_freed():
+    gc.disable()  # no collection of the cycle before it is measured
+    try:
+        soak.cyclic_mib()  # what earlier tests left
+        a, b = {"tensor": torch.zeros(3 * 2**20 // 4)}, {}  # 3 MiB of fp32
+        a["b"], b["a"] = b, a
+        tensor = weakref.ref(a["tensor"])
+        del a, b
+        held = tensor() is not None  # not inside an assert: pytest would keep the tensor for its message
+        measured = soak.cyclic_mib()
+        assert held and measured == 3.0
+        assert tensor() is None and soak.cyclic_mib() == 0.0
+    finally:
+        gc.enable()
+
+
 def test_runs_are_shared_out_over_the_visits_the_pairs_taken_in_turn():
     assert soak.schedule(30, 2, ["a", "b"]) == [("a", 10), ("b", 10), ("a", 10)]
     assert soak.schedule(11, 3, ["a", "b"]) == [("a", 3), ("b", 3), ("a", 3), ("b", 2)]
@@ -78,6 +105,7 @@ def test_the_shrunk_soak_runs_the_real_engine_through_the_app_from_pair_to_pair(
     assert report["runs_done"] == 12 and report["device"] == "cpu"
     assert [r["pair"] for r in report["readings"]] == [soak.PAIRS[0]] * 4 + [soak.PAIRS[1]] * 4 + [soak.PAIRS[0]] * 4
     assert all(r["rss_mib"] > 0 and r["models"] > 0 and r["cuda_allocated_mib"] is None for r in report["readings"])
+    assert "| cyclic_mib |" in (tmp_path / "soak.md").read_text()
     assert [c["check"] for c in report["checks"]][-1] == f"visit 3 ({soak.PAIRS[0]}): settles where its first visit did"
     assert all(c["ok"] for c in report["checks"]), report["checks"]
     assert "| run | visit | pair |" in (tmp_path / "soak.md").read_text()
