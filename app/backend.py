@@ -173,8 +173,10 @@ def serve(choice: PairChoice, tokenizer: Any, pair) -> Loaded:
 class PairCache:
     """The loaded pair (one at a time: a new choice frees the old one's memory first), loaded under a lock."""
 
-    def __init__(self, factory: EngineFactory) -> None:
+    def __init__(self, factory: EngineFactory, on_drop: Callable[[], None] = lambda: None) -> None:
+        """`on_drop`: what else lets go of a pair when it is dropped (caches that hold its tokenizer)."""
         self.factory = factory
+        self.on_drop = on_drop
         self._lock = threading.Lock()
         self._loaded: Loaded | None = None
 
@@ -183,6 +185,7 @@ class PairCache:
             if self._loaded is None or self._loaded.choice != choice:
                 close, self._loaded = (self._loaded.close if self._loaded else None), None
                 if close is not None:
+                    self.on_drop()
                     close()  # after the last reference is gone: a run still going keeps its pair until it ends
                 self._loaded = self.factory(choice, progress)
             return self._loaded

@@ -23,6 +23,7 @@ from specextend.config import GenerationConfig, preset
 from specextend.methods import METHOD_TABLE
 from specextend.tools.prompting import LONG_OUTPUT_INSTRUCTION, LONG_OUTPUT_TOKENS, Prompt
 from visualizers import heads_spec, needle_spec, retrieval_spec, signal_html
+from visualizers.acceptance import forget_texts
 from visualizers.common import ending, label
 from visualizers.steps import last_step, step_html
 
@@ -175,7 +176,7 @@ class Studio:
 
     def __init__(self, factory: EngineFactory, settings: Settings) -> None:
         self.settings = settings
-        self.pairs = PairCache(factory)
+        self.pairs = PairCache(factory, on_drop=forget_texts)
         self.trace_dir = Path(tempfile.mkdtemp(prefix="specextend-traces-"))
         self._exports, self._exported = threading.Lock(), itertools.count(1)
         self.generations = Recent(64)  # recent generation jobs' clocks, for the waiting user's estimate

@@ -14,6 +14,7 @@ Knows tensors and RoPE; knows nothing of drafting, verification or retrieval.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +50,8 @@ class BufferLayer(CacheLayerMixin):
 
     def __init__(self, cache: KVCache, group: Group) -> None:
         super().__init__()
-        self.cache, self.group = cache, group
+        self.cache = weakref.proxy(cache)  # the cache holds its layers: a strong link back would make a cycle, and a
+        self.group = group  # dropped cache's buffers would wait for the cyclic collector (on a GPU, in device memory)
         self.length = 0
         self.static: tuple[torch.Tensor, int] | None = None
 

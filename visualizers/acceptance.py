@@ -72,6 +72,11 @@ def _cell_texts(drafted: Drafted | None, verified: Verified, decode: Decode, nam
     return tuple(texts)
 
 
+def forget_texts() -> None:
+    """Drop the cached hover texts, and with them the decoders they were made with (a dropped pair's tokenizer)."""
+    _cell_texts.cache_clear()
+
+
 def _who(drafted: Drafted, node: int, name: str) -> str:
     """Who proposed a node, for a hover: the draft (`name`: the draft model or an EAGLE head) with its q, a lookup
     with its copy's position, or both."""
