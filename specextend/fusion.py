@@ -27,6 +27,8 @@ from torch import nn
 from transformers.activations import SiLUActivation
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .cache import rotate_half
+
 FUSED_ROWS = 256  # compiled code serves forwards of up to this many rows (decode-time); more take the eager path
 LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")  # one layer formula
 BACKEND = "inductor"  # generated kernels (Triton on CUDA); "aot_eager" traces the same graph and runs it op by op
@@ -43,11 +45,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def before_attention(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: Norm, q: Linear, k: Linear,
