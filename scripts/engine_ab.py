@@ -30,11 +30,11 @@ def run(tree: Path, method: str, args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trees", nargs=2, required=True, help="two checkouts: A (the baseline), B")
-    p.add_argument("--input", required=True, help="the document (or, with --extra --long-output, the prompt)")
+    p.add_argument("--input", required=True, help="the document (or, with --extra=--long-output, the prompt)")
     p.add_argument("--methods", default="autoregressive,specextend")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--extra", default="", help="more CLI options, e.g. '--long-output --threads 2'")
+    p.add_argument("--extra", default="", help="more CLI options, given with '=': --extra='--long-output --threads 2'")
     args = p.parse_args(argv)
     trees = [Path(t).resolve() for t in args.trees]
     methods = args.methods.split(",")
