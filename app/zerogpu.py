@@ -23,6 +23,9 @@ What follows from that here:
 - Stop crosses the process boundary as a file's existence (`StopFlag`), so a stopped run ends the way the engine ends
   it (a Finished event, "stopped"), as it does off ZeroGPU.
 - A ZeroGPU Space serves its default pair only, loaded before serving (`serving`).
+- Not avoided, and not yet measured on a real Space: the engine's compiled kernels (`attention.compiled_on_cuda`: the
+  split merge, FusedRMSNorm; fused layers) compile in each fresh worker, inside its grant; and whether `prepare`, run
+  in the app process under `spaces`' emulation, sees the models as CUDA ones (and so fuses them) is unverified.
 
 Knows nothing of gradio's layout, figures, tokenization or the engine's internals: it runs a served pair's
 `for_click` generate and head picture inside grants, and changes only the step mode of the configs it is given.

@@ -26,7 +26,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -106,6 +106,13 @@ class AttentionPlan:
     tree_mask: torch.Tensor | None = None  # tree: (T_q, tail) bool, visibility of the last `tail` keys
     capture: Capture | None = field(default=None, compare=False)
     keys: KeySplits | None = field(default=None, compare=False)  # static: the mask over the key bucket, split
+
+
+def placed(plan: AttentionPlan, device: torch.device) -> AttentionPlan:
+    """`plan` with its tree mask on `device` (the model's: the masks are built on the host)."""
+    if plan.tree_mask is None or plan.tree_mask.device == device:
+        return plan
+    return replace(plan, tree_mask=plan.tree_mask.to(device))
 
 
 @dataclass(frozen=True)

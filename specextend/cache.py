@@ -117,14 +117,15 @@ class KVCache(Cache):
     def length(self) -> int:
         return self.layers[0].length
 
-    def allocate(self, group: Group, keys: torch.Tensor, values: torch.Tensor, tokens: int) -> None:
+    def allocate(self, group: Group, keys: torch.Tensor, values: torch.Tensor, tokens: int,
+                 dtype: torch.dtype | None = None) -> None:
         """Make `group`'s stacked buffers in the shape, dtype and device of one layer's `keys` and `values`, with room
         for the cache's capacity (and at least `tokens`); zeros, not garbage: a static forward reads unused slots
         under a -inf mask, and NaN * 0 is NaN."""
         batch, heads, _, dim = keys.shape
         size = max(self.capacity, tokens, 16)
-        group.keys = keys.new_zeros((group.count, batch, heads, size, dim))
-        group.values = values.new_zeros((group.count, batch, heads, size, values.shape[-1]))
+        group.keys = keys.new_zeros((group.count, batch, heads, size, dim), dtype=dtype or keys.dtype)
+        group.values = values.new_zeros((group.count, batch, heads, size, values.shape[-1]), dtype=dtype or values.dtype)
         self._point(group)
 
     def reserve(self, group: Group, needed: int) -> None:
@@ -199,7 +200,7 @@ class KVCache(Cache):
         end = start + kv[0][0].shape[3]
         for g, (keys, values) in zip(self.groups, kv):
             if g.keys is None:
-                self.allocate(g, keys[0].to(dtype or keys.dtype), values[0].to(dtype or values.dtype), end)
+                self.allocate(g, keys[0], values[0], end, dtype)
             self.reserve(g, end)
             g.keys[:, :, :, start:end] = keys
             g.values[:, :, :, start:end] = values

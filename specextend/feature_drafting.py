@@ -19,7 +19,7 @@ from typing import Iterator
 
 import torch
 
-from .attention import AttentionPlan
+from .attention import AttentionPlan, placed
 from .cache import KVCache
 from .config import GenerationConfig
 from .drafting import DraftTree, PolicyDrafter, GrowingTree, working_room
@@ -34,6 +34,10 @@ class HeadRunner(StepRunner):
     """An EAGLE head's forwards over its working cache, run as the target's are (from static buffers, captured on
     CUDA): each entry is a token with a hidden state, the target's features (`variant` True: (T, F)) or the head's
     own state fed back ((T, H)). Outputs: the logits over the target's vocabulary, then the output states (T, H)."""
+
+    def __init__(self, model: EagleHead, cache: KVCache, mode: str, sizes: tuple[int, ...]) -> None:
+        super().__init__(model, cache, mode, sizes)
+        self.dtype = model.fc.weight.dtype  # the head's own (its embedding may be the target's)
 
     def _eager(self, tokens: list[int], positions: torch.Tensor, plan: AttentionPlan, keep: int,
                inputs: torch.Tensor | None, variant: bool) -> tuple[torch.Tensor, ...]:
@@ -52,7 +56,7 @@ def head_forward(head: EagleHead, cache: KVCache, tokens: list[int], hidden: tor
     param = head.fc.weight
     ids = torch.tensor([tokens], dtype=torch.long, device=param.device)
     states = head(ids, hidden[None].to(param.device, param.dtype), positions[None].to(param.device), cache, from_target,
-                  attention_plan=plan)[0]
+                  attention_plan=placed(plan, param.device))[0]
     cache.note_appended(positions)
     return states
 

@@ -9,8 +9,8 @@ comes after it (output projection, residual add, post-attention norm, SwiGLU MLP
 module is in a compiled graph, so all layers run the same graph: one for a single row, one for any number of rows
 from 2 to FUSED_ROWS (the row dimension is marked dynamic), per model shape and dtype. Between the two, the KV cache's
 update and the attention function the model is set to run as the family runs them, and hooks on a layer still fire.
-Prefill (more rows), training and any forward that records gradients run the family's own forward. A layer of
-another class stays as it is.
+A forward of more than FUSED_ROWS rows (a long prefill block), training and any forward that records gradients
+run the family's own forward. A layer of another class stays as it is.
 The compiled code makes no CUDA graphs of its own, so a fused forward can be captured whole (steps.py), and rounds
 half-precision results where eager code does, so a bf16 layer gives the family's numbers.
 Knows the families' decoder-layer math and torch.compile; knows nothing of the engine, attention plans, the cache's

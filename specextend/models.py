@@ -415,8 +415,7 @@ def forward(
 ) -> torch.Tensor:
     """Run `tokens` at `positions` over `cache` (appending their KV): logits (T_kept, V) fp32, on the model's device."""
     device = model.get_input_embeddings().weight.device
-    if plan.tree_mask is not None and plan.tree_mask.device != device:
-        plan = replace(plan, tree_mask=plan.tree_mask.to(device))
+    plan = attention.placed(plan, device)
     ids = torch.tensor([tokens], dtype=torch.long, device=device)
     out = model(
         input_ids=ids, position_ids=positions.to(device)[None], cache=cache, use_cache=True,

@@ -174,8 +174,8 @@ class StepRunner:
             return self.outputs[0]
         bucket = min(-(-(base + size) // BUCKET) * BUCKET, layer.keys.shape[2])
         width = None if inputs is None else inputs.shape[-1]
-        step = self._step(size, bucket, layer.keys.data_ptr(), plan.capture.key if plan.capture is not None else None,
-                          (variant, width))
+        step = self._step(size, bucket, (layer.keys.data_ptr(), layer.keys.shape[2]),
+                          plan.capture.key if plan.capture is not None else None, (variant, width))
         self._fill(step, tokens, positions, plan.tree_mask, base, inputs)
         static = replace(plan, kind="static", kernel="split", tree_mask=None, keys=step.keys)
         if self.mode == "static":
@@ -206,8 +206,9 @@ class StepRunner:
                          attention_plan=plan, logits_to_keep=0)
         return (out.logits[0],)
 
-    def _step(self, size: int, bucket: int, buffer: int, layers: tuple | None, inputs: tuple) -> Step:
-        # a reallocated cache buffer makes every step captured over the old one stale; a step captured for some
+    def _step(self, size: int, bucket: int, buffer: tuple[int, int], layers: tuple | None, inputs: tuple) -> Step:
+        # a reallocated cache buffer (its address and slots: a stacked buffer's strides follow its slots) makes every
+        # step captured over the old one stale; a step captured for some
         # layers' queries (and streams), or for one kind and width of inputs, serves only forwards that keep the same
         key = (size, bucket, buffer, layers, inputs)
         if key in self.steps:

@@ -228,8 +228,12 @@ class Target:
         (all when None): (H_sel, T), layer by layer in the window's head order."""
         w = self.window
         rows = rows or w.rows
-        return torch.cat([head_scores(w.queries[layer][:, -rows:], self.kv_of[layer], self.cache.layers[layer].filled()[0],
-                                      w.positions[-rows:], self.scale) for layer in sorted(w.layers)])
+        scores = []
+        for layer in sorted(w.layers):  # each layer's queries beside its keys (a target spread over devices)
+            keys = self.cache.layers[layer].filled()[0]
+            scores.append(head_scores(w.queries[layer][:, -rows:].to(keys.device), self.kv_of[layer], keys,
+                                      w.positions[-rows:], self.scale).to(self.runner.device))
+        return torch.cat(scores)
 
     def token_scores(self) -> torch.Tensor:
         """The retrieval signal's score of every committed token: the scoring heads combined, (T,)."""

@@ -214,6 +214,7 @@ def bench_fusion(target, device, length: int, vocab: int, fast: str) -> dict:
     cache = KVCache(target.config.num_hidden_layers, capacity_for(length + 64, sizes))
     prefill_to(target, cache, length, vocab)
     norms = [m for m in target.modules() if isinstance(m, FusedRMSNorm)]
+    fused = fusion.unfuse(target)  # layers fused on entry, fused again on the way out
     out = {}
     try:
         for variant in ("own", "fused norms", "fused layers"):
@@ -227,7 +228,7 @@ def bench_fusion(target, device, length: int, vocab: int, fast: str) -> dict:
     finally:
         for m in norms:
             m.__class__ = FusedRMSNorm
-        fusion.fuse(target)
+        (fusion.fuse if fused else fusion.unfuse)(target)
     return out
 
 
