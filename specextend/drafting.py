@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Iterator, Protocol
 
 import torch
@@ -30,7 +31,7 @@ from .methods import DraftCache
 from .models import forward, layer_devices, rope_inv_freq
 from .retrieval import DraftCachePolicy, Selection
 from .steps import StepRunner, make_runner
-from .verification import sampling_probs
+from .verification import sampling_probs, tree_mask
 
 if TYPE_CHECKING:
     from .target import FeatureRows
@@ -63,6 +64,12 @@ class DraftTree:
     @classmethod
     def empty(cls) -> DraftTree:
         return cls((), (), (), (), None, 0)
+
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        """(N+1, N+1) bool over [root] + nodes: what each row sees (`verification.tree_mask`), built once per tree for
+        the verification's attention and its greedy decision."""
+        return tree_mask(self.parents)
 
     @property
     def point(self) -> tuple[bool, ...]:

@@ -133,7 +133,7 @@ def generate(
             phase = clock()  # b) the target verifies the whole tree in one forward
             logits = target.verify(out[-1], tree)
             if config.greedy:
-                path, bonus = greedy_accept(tree.parents, tree.tokens, logits)
+                path, bonus = greedy_accept(tree.parents, tree.tokens, logits, tree.mask)
             else:
                 p = sampling_probs(logits, config.temperature, config.top_p)
                 q = tree.q if tree.q is not None else torch.zeros_like(p)

@@ -20,7 +20,6 @@ from .attention import AttentionPlan, Capture
 from .cache import KVCache
 from .config import GenerationConfig, RetrievalSignal
 from .drafting import DraftTree
-from .verification import tree_mask
 from .models import final_layer, forward, layer_devices, prefill_dtype, reduced_copy
 from .signal import QueryWindow, combine, head_scores, kv_heads_of
 from .steps import make_runner
@@ -209,7 +208,7 @@ class Target:
         """One forward over [root] + tree nodes: logits (N+1, V)."""
         base = self.base = self.cache.length
         positions = base + torch.tensor((0, *tree.depths))
-        plan = AttentionPlan("tree", self.kernels.verify, tree_mask=tree_mask(tree.parents), capture=self.capture)
+        plan = AttentionPlan("tree", self.kernels.verify, tree_mask=tree.mask, capture=self.capture)
         return self.runner.forward([root, *tree.tokens], positions, plan, len(tree.tokens) + 1)
 
     def commit(self, path: list[int]) -> None:

@@ -56,9 +56,11 @@ def tree_mask(parents: tuple[int, ...] | list[int]) -> torch.Tensor:
     return mask
 
 
-def greedy_accept(parents: Sequence[int], tokens: Sequence[int], logits: torch.Tensor) -> tuple[list[int], int]:
+def greedy_accept(parents: Sequence[int], tokens: Sequence[int], logits: torch.Tensor,
+                  mask: torch.Tensor | None = None) -> tuple[list[int], int]:
     """`verify_greedy` decided where the target's logits (N+1, V) lie: what comes back to the host is the deepest
-    accepted row and the bonus token (two ids), not N+1 rows of logits or argmaxes.
+    accepted row and the bonus token (two ids), not N+1 rows of logits or argmaxes. `mask`: the tree's
+    `tree_mask(parents)`, where the caller has it already.
 
     A node matches when its token is the argmax of its parent's row and no earlier sibling has the same token (the
     first such child is the one followed); a row is accepted when it and all its ancestors match. The accepted rows
@@ -71,7 +73,7 @@ def greedy_accept(parents: Sequence[int], tokens: Sequence[int], logits: torch.T
         first.append(pair not in met)
         met.add(pair)
     nodes = torch.tensor([list(tokens), [p + 1 for p in parents], first], dtype=torch.long).to(logits.device)  # (3, N)
-    seen = tree_mask(parents).to(logits.device)  # (N+1, N+1): row i's ancestors and itself
+    seen = (tree_mask(parents) if mask is None else mask).to(logits.device)  # (N+1, N+1): row i's ancestors and itself
     match = (nodes[0] == argmax[nodes[1]]) & nodes[2].bool()  # (N,)
     ok = torch.cat([match.new_ones(1), match])  # (N+1,): the root always stands
     accepted = ~(seen & ~ok).any(dim=-1)  # (N+1,)

@@ -22,7 +22,7 @@ from scipy.stats import chisquare
 
 from specextend.drafting import DraftTree, draw_children
 from specextend.lookup import graft
-from specextend.verification import children_of, greedy_accept, sampling_probs, verify_greedy, verify_sampling
+from specextend.verification import children_of, greedy_accept, sampling_probs, tree_mask, verify_greedy, verify_sampling
 
 V = 6
 ALPHA = 1e-3  # an exact rule must pass at this level; a wrong one must fail it
@@ -414,3 +414,4 @@ def test_greedy_accept_on_the_logits_device_equals_verify_greedy(data):
     logits = torch.randn(n + 1, 4) - 10.0
     logits[torch.arange(n + 1), torch.tensor(argmax)] = 10.0
     assert greedy_accept(parents, tokens, logits) == verify_greedy(parents, tokens, argmax)
+    assert greedy_accept(parents, tokens, logits, tree_mask(parents)) == verify_greedy(parents, tokens, argmax)
