@@ -154,6 +154,8 @@ class Job:
                     f"The prompt is {len(self.prompt.ids):,} tokens; with {config.max_new_tokens} new tokens that "
                     f"exceeds the model's limit of {limit:,} positions. Shorten the document or ask for fewer tokens."
                 )
+        if not plan:
+            return
         click = generate if isinstance(generate, Click) else Click.in_turn(generate)
         for method, event in click.run(self.prompt.ids, plan, self.stop_event):
             self.runs.setdefault(method, []).append(event)
