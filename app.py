@@ -38,7 +38,7 @@ def listen_message(host: str, port: int, problem: OSError) -> str:
         return (f"SpecExtend Studio cannot listen on {host}:{port}: {problem.strerror or problem}. Set "
                 "GRADIO_SERVER_NAME and GRADIO_SERVER_PORT to an address and port this machine can serve on.")
     free = next((p for p in range(port + 1, min(port + 50, 65536)) if cannot_listen(host, p) is None), None)
-    fix = f"GRADIO_SERVER_PORT={free} python app.py" if free is not None else "GRADIO_SERVER_PORT=<a free port> python app.py"
+    fix = f"GRADIO_SERVER_PORT={free if free is not None else '<a free port>'} .venv/bin/python app.py"
     return (f"SpecExtend Studio cannot start: port {port} on {host} is already in use (is the Studio already "
             f"running? Then open http://{host}:{port}/). Stop the program that holds the port, or serve on "
             f"another one:\n    {fix}")

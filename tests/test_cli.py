@@ -3,6 +3,7 @@ saved with the bundled tokenizer prints the text and a final JSON line with the 
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -11,7 +12,8 @@ from transformers import AutoTokenizer
 from conftest import save_tiny_pair
 from specextend.config import GPU_DRAFT, AttentionConfig, DraftConfig
 from specextend.tools import bundled, prompting
-from specextend.tools.cli import build_parser, config_from, main, workload
+from specextend.events import Finished, Prefilled, Prefilling, Started, Verified
+from specextend.tools.cli import Progress, build_parser, config_from, main, workload
 
 
 def args(*extra):
@@ -120,3 +122,43 @@ def test_the_bundled_targets_first_preparation_is_reported_on_stderr(tmp_path, c
     assert main(["generate", "--input", str(doc)]) == 2
     printed = capsys.readouterr()
     assert printed.err.splitlines()[0] == "Downloading the target: 12 of ~93 MB" and printed.out == ""
+
+
+def test_progress_tells_the_reading_and_the_decoding_from_the_events():
+    out = io.StringIO()
+    progress = Progress(out, every_s=1.0)
+    config = {"max_new_tokens": 64}
+    events = [Started(0.0, 0.0, "specextend", tuple(range(1200)), config, 2, 1, "cpu", "float32")]
+    events += [Prefilling(t, t, "target", done, 1200) for t, done in ((1.0, 512), (1.5, 1024), (2.5, 1200))]
+    events += [Prefilled(3.0, 3.0, 1200, 2.5, 0.5, 7)]
+    events += [Verified(3.0 + 0.25 * s, 0.2, s, 1200 + 2 * s, (0,), (True,), 1, 9, (5, 9), 1 + 2 * s) for s in range(1, 9)]
+    events += [Finished(5.2, 5.2, tuple(range(17)), "max_new_tokens", 8, 1200)]
+    for event in events:
+        progress(event)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "specextend: reading 1,200 prompt tokens on cpu"
+    # the second block came 0.5 s after the first: within a second, so not shown; the last block always is
+    assert lines[1] == "the target reads the prompt: block 1 of 3 (512 of 1,200 tokens), 512 tokens/s, about 1 s left"
+    assert lines[2] == "the target reads the prompt: block 3 of 3 (1,200 of 1,200 tokens), 480 tokens/s"
+    assert lines[3] == "the prompt read in 3.0 s; decoding"
+    decoding = [line for line in lines if line.startswith("decoding:")]
+    assert decoding[0] == "decoding: 3 of at most 64 tokens, 8.0 tokens/s, 2.00 tokens per step"
+    assert len(decoding) == 2  # 8 steps over 2 s, a line a second at most
+    assert lines[-1] == "finished (max_new_tokens): 17 tokens in 5 s, 8 steps"
+
+
+def test_a_run_reports_progress_on_stderr_unless_quiet(tiny_dirs, tmp_path, capsys):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The river rose over the valley and the mill. " * 120)  # three 512-token blocks
+    run = ["generate", "--input", str(doc), "--target", str(tiny_dirs[0]), "--draft", str(tiny_dirs[1]),
+           "--max-new-tokens", "8"]
+    assert main(run) == 0
+    printed = capsys.readouterr()
+    assert "the target reads the prompt: block 3 of 3" in printed.err
+    assert "the prompt read in" in printed.err and "decoding: " in printed.err and "tokens/s" in printed.err
+    assert printed.err.splitlines()[-1].startswith("finished (")
+    result = json.loads(printed.out.strip().splitlines()[-1])  # stdout: the text, then the JSON line, nothing else
+    assert result["prompt_tokens"] > 1024
+    assert main([*run, "--quiet"]) == 0
+    quiet = capsys.readouterr()
+    assert quiet.err == "" and json.loads(quiet.out.strip().splitlines()[-1])["token_ids"] == result["token_ids"]

@@ -1,25 +1,29 @@
-"""Command line: `python -m specextend generate --input FILE --method METHOD [knobs]`.
+"""Command line: `.venv/bin/python -m specextend generate --input FILE --method METHOD [knobs]`.
 
 A thin shell around the engine: it owns tokenization (the engine sees token ids only), prints the
-generated text and, as its last line, one JSON object with the run's figures.
+generated text and, as its last line, one JSON object with the run's figures. What the run is doing
+(the prompt's reading, the decoding) goes to stderr as the engine's events arrive, unless --quiet.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from functools import partial
 from pathlib import Path
+from typing import TextIO
 
 from . import prompting
 from ..config import (METHODS, SIGNAL_NAMES, AttentionConfig, DraftConfig, LookupConfig, RetrievalConfig, RetrievalSignal,
                      draft_defaults, preset)
+from ..events import Event, Finished, Prefilled, Prefilling, Started, Verified
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m specextend", description=__doc__,
+    p = argparse.ArgumentParser(prog=".venv/bin/python -m specextend", description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate from a document with one method",
@@ -72,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_lookup_arguments(g)
     add_signal_arguments(g)
     g.add_argument("--trace", help="save the run's events as a JSON trace here")
+    g.add_argument("--quiet", action="store_true",
+                   help="print nothing on stderr but errors (no progress, no word on the bundled target's preparation)")
     return p
 
 
@@ -170,12 +176,81 @@ def prompt_from(args: argparse.Namespace, tokenizer, text: str, room: int) -> li
     return (prompting.truncate(request, room) if args.truncate else request).ids
 
 
+def duration(seconds: float) -> str:
+    """A wait in words: `12 s`, `3.5 min`."""
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+class Progress:
+    """Tells a person what a run is doing, from its events as they arrive: the prompt's reading (blocks read,
+    tokens/s, time left) and the decoding (tokens, tokens/s, tokens per step). One line at most every `every_s`
+    seconds of the run's clock; the start, the last block of a reading and the end always. On a terminal a phase's
+    lines overwrite each other; elsewhere (a log, a pipe) each is a line of its own."""
+
+    def __init__(self, stream: TextIO, every_s: float = 1.0):
+        self.stream, self.every_s = stream, every_s
+        self.overwrite = stream.isatty()
+        self.shown_t = -math.inf  # the run's clock at the last line written
+        self.phase = ""  # what the last line was about; a new one starts a new line on a terminal
+        self.first_block: dict[str, int] = {}  # model -> tokens its first block read (its block size)
+        self.blocks: dict[str, int] = {}  # model -> blocks read so far
+        self.max_new = 0
+        self.decode_from: Prefilled | None = None
+
+    def __call__(self, event: Event) -> None:
+        said = self.line(event)
+        if said is None:
+            return
+        phase, text, always = said
+        if not always and phase == self.phase and event.t_s - self.shown_t < self.every_s:
+            return
+        self.shown_t = event.t_s
+        if self.overwrite:
+            self.stream.write(("\n" if self.phase and phase != self.phase else "\r") + text + "\033[K")
+            if isinstance(event, Finished):
+                self.stream.write("\n")
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+        self.phase = phase
+
+    def line(self, event: Event) -> tuple[str, str, bool] | None:
+        """(phase, text, always shown) for an event worth a line, else None."""
+        if isinstance(event, Started):
+            self.max_new = event.config.get("max_new_tokens", 0)
+            return "start", f"{event.method}: reading {len(event.prompt_ids):,} prompt tokens on {event.device}", True
+        if isinstance(event, Prefilling):
+            model = event.model
+            self.first_block.setdefault(model, event.done)
+            self.blocks[model] = self.blocks.get(model, 0) + 1
+            total_blocks = math.ceil(event.total / max(self.first_block[model], 1))
+            rate = event.done / event.elapsed_s if event.elapsed_s > 0 else 0.0
+            left = f", about {duration((event.total - event.done) / rate)} left" if rate and event.done < event.total else ""
+            return (model, f"the {model} reads the prompt: block {self.blocks[model]} of {total_blocks} "
+                           f"({event.done:,} of {event.total:,} tokens), {rate:,.0f} tokens/s{left}",
+                    event.done >= event.total)
+        if isinstance(event, Prefilled):
+            self.decode_from = event
+            return "read", f"the prompt read in {event.elapsed_s:.1f} s; decoding", True
+        if isinstance(event, Verified) and self.decode_from is not None:
+            seconds = event.t_s - self.decode_from.t_s
+            rate = (event.total_new - 1) / seconds if seconds > 0 else 0.0  # the first token is the prefill's
+            return ("decode", f"decoding: {event.total_new:,} of at most {self.max_new:,} tokens, {rate:.1f} tokens/s, "
+                              f"{(event.total_new - 1) / event.step:.2f} tokens per step", False)
+        if isinstance(event, Finished):
+            note = f": {event.message}" if event.message else ""
+            return ("end", f"finished ({event.stop_reason}{note}): {len(event.token_ids):,} tokens in "
+                           f"{duration(event.t_s)}, {event.steps:,} steps", True)
+        return None
+
+
 def generate_command(args: argparse.Namespace) -> int:
     import torch
+    from transformers.utils import logging as hf_logging
 
     from . import bundled
     from ..engine import generate
-    from ..events import Finished, save_trace
+    from ..events import save_trace
     from ..metrics import summarize
     from ..models import load_pair, read_tokenizer
 
@@ -185,13 +260,25 @@ def generate_command(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     # the bundled target's first preparation says how far it has got, on stderr (stdout keeps the text and the JSON)
-    target, draft = bundled.pair_or_default(args.target, args.draft, partial(print, file=sys.stderr, flush=True))
+    say = (lambda message: None) if args.quiet else partial(print, file=sys.stderr, flush=True)
+    target, draft = bundled.pair_or_default(args.target, args.draft, say)
     tokenizer = read_tokenizer(target)
-    pair = load_pair(target, draft if args.method not in ("autoregressive", "lookup") else None, args.device, args.dtype,
-                     tokenizer)
+    bars = hf_logging.is_progress_bar_enabled()
+    if args.quiet:  # transformers' own bars too ("Loading weights"), while the pair loads
+        hf_logging.disable_progress_bar()
+    try:
+        pair = load_pair(target, draft if args.method not in ("autoregressive", "lookup") else None, args.device,
+                         args.dtype, tokenizer)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     config = config_from(args, prompting.stop_ids(tokenizer, pair.target), pair.device.type)
     prompt = prompt_from(args, tokenizer, text, pair.max_positions - config.max_new_tokens)
-    trace = list(generate(pair, prompt, config))
+    progress = (lambda event: None) if args.quiet else Progress(sys.stderr)
+    trace = []
+    for event in generate(pair, prompt, config):
+        trace.append(event)
+        progress(event)
     if args.trace:
         save_trace(trace, args.trace)
     finished = trace[-1]
