@@ -15,9 +15,11 @@ Knows head configs, weights and the forward; knows nothing of drafting policy, t
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -159,6 +161,58 @@ def check_head(target_config, kind: str, cfg, own_embedding: bool, source: str |
         raise ValueError(f"{source}: draft_vocab_size {draft_vocab} exceeds its vocab_size {cfg.vocab_size}")
 
 
+def weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape in a head's weights file, read from its header (safetensors) or its pickle's metadata
+    (`pytorch_model.bin`, mapped onto the meta device): no tensor is read."""
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    state = torch.load(path, map_location="meta", weights_only=True, mmap=True)
+    return {name: tuple(tensor.shape) for name, tensor in state.items()}
+
+
+# the tensors whose shapes say most about the target a head was trained for, asked first
+TELLING = ("fc.weight", "t2d", "embed_tokens.weight", "lm_head.weight", "d2t")
+
+
+def check_weights(target_config, head: HeadFolder, source: str | Path = "the head", target_name: str = "") -> None:
+    """Refuse, naming the head, the target and the first tensor that disagrees, a head whose weights' shapes (read
+    from the file's header, `weight_shapes`) are not those its config and this target make (`target_name`: how the
+    target is called, by default its config's path); before any weight is read into a module."""
+    found = weight_shapes(head.weights)
+    with torch.device("meta"):  # the head this target would build, in shapes only
+        wanted = EagleHead(head.kind, copy.copy(head.config), SimpleNamespace(config=target_config), head.draft_vocab,
+                           "embed_tokens.weight" in found, "fc.bias" in found).state_dict()
+    misfits = [k for k in (*TELLING, *sorted(wanted)) if k in found and k in wanted and found[k] != tuple(wanted[k].shape)]
+    if not misfits:
+        return
+    key, shape = misfits[0], found[misfits[0]]
+    name, called = HEAD_NAME[head.kind], target_name or getattr(target_config, "name_or_path", "")
+    target = f"the target {called}" if called else "this target"
+    has = f"{key} {'x'.join(map(str, shape))}"
+    width, vocab = int(target_config.hidden_size), int(target_config.vocab_size)
+    if key == "fc.weight":
+        streams = 3 if head.kind == "eagle3" else 2  # EAGLE-3 fuses three of the target's streams; EAGLE-1 [embedding; hidden]
+        raise ValueError(f"{source}: this {name} expects a target of width {shape[-1] // streams} ({has}) but {target} "
+                         f"has width {width}")
+    if key in ("t2d", "embed_tokens.weight"):
+        raise ValueError(f"{source}: this {name} expects a target of {shape[0]} token ids ({has}) but {target} has "
+                         f"{vocab}")
+    want = "x".join(map(str, wanted[key].shape))
+    raise ValueError(f"{source}: this {name}'s weights do not fit {target} (width {width}, "
+                     f"{target_config.num_hidden_layers} layers, {vocab} token ids) and its config.json: {has}, where "
+                     f"{want} is needed")
+
+
+def check_folder(target_config, head: HeadFolder, source: str | Path = "the head", target_name: str = "") -> None:
+    """A head folder checked against a target before its weights load: its config (`check_head`), then its weights'
+    shapes (`check_weights`)."""
+    check_head(target_config, head.kind, head.config, "embed_tokens.weight" in head.keys, source)
+    check_weights(target_config, head, source, target_name)
+
+
 class HeadLayer(nn.Module):
     """The head's decoder layer: Llama attention and MLP; EAGLE-3 also norms the embedding and the hidden state
     and attends over both side by side."""
@@ -276,7 +330,7 @@ def load_head(folder: str | Path, target, device: torch.device, dtype: torch.dty
     head = head or read_head(folder)
     if head is None:
         raise ValueError(f"{folder} holds no EAGLE head (config.json and fc.* weights)")
-    check_head(target.config, head.kind, head.config, "embed_tokens.weight" in head.keys, folder)
+    check_folder(target.config, head, folder)
     if head.weights.suffix == ".safetensors":
         from safetensors.torch import load_file
 

@@ -324,7 +324,7 @@ def make_pair(target: PreTrainedModel, draft: PreTrainedModel | None, load_s: fl
         if model is not None:
             check_architecture(model.config)
     prepare(target)
-    if isinstance(draft, heads.EagleHead):  # checked against its target when read (heads.check_head)
+    if isinstance(draft, heads.EagleHead):  # checked against its target when read (heads.check_folder)
         prepare(draft)
     elif draft is not None:
         if shared_vocab is None:
@@ -384,7 +384,7 @@ def read_pair(target: str | Path, draft: str | Path | None = None, tokenizer: An
         return check_pair(read(target, tokenizer), read(draft) if draft is not None else None)
     read_target = read(target, tokenizer)  # an EAGLE head ships no tokenizer: it reads the target's ids
     facts = check_pair(read_target, None)
-    heads.check_head(read_target[0], head.kind, head.config, "embed_tokens.weight" in head.keys, draft)
+    heads.check_folder(read_target[0], head, draft, str(target))  # its config and its weights' shapes
     return replace(facts, head=head)
 
 

@@ -6,11 +6,13 @@ under the full, StreamingLLM and CMR caches, with and without lookup."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
+import safetensors.torch
 import torch
 from conftest import VOCAB, bigram_target, reference_greedy, tiny
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from scipy.stats import chisquare
 from transformers import LlamaConfig
 
@@ -149,6 +151,79 @@ def test_an_eagle3_head_needs_a_target_deep_enough(tmp_path):
     folder = save_published(tiny_head("eagle3", tiny("llama", layers=6)), tmp_path / "head")
     with pytest.raises(ValueError, match="layers 2, L//2 and L-3"):
         check_head(shallow.config, *kind_config(folder), folder)
+
+
+def misfit(folder, bin_file: bool, **changed: tuple[int, ...]):
+    """A published head's weights with the tensors in `changed` replaced by random ones of these shapes (its config
+    left as it is, so only the weights can tell)."""
+    weights = folder / ("pytorch_model.bin" if bin_file else "model.safetensors")
+    state = torch.load(weights, weights_only=True) if bin_file else load_file(str(weights))
+    state = {**state, **{k.replace("__", "."): torch.zeros(shape, dtype=state[k.replace("__", ".")].dtype)
+                         for k, shape in changed.items()}}
+    torch.save(state, weights) if bin_file else save_file(state, str(weights))
+    return folder
+
+
+def no_weight_loads(monkeypatch):
+    """Fail the test if a head's weights are read into tensors or a module (only their shapes may be read)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("weights were read before the head was refused")
+
+    real_load = torch.load
+    monkeypatch.setattr(EagleHead, "load_state_dict", refuse)
+    monkeypatch.setattr(safetensors.torch, "load_file", refuse)
+    monkeypatch.setattr(torch, "load", lambda *a, **k: real_load(*a, **k) if k.get("map_location") == "meta" else refuse())
+
+
+@pytest.mark.parametrize("kind, changed, reason", [
+    ("eagle3", dict(fc__weight=(64, 3 * 96)), r"EAGLE-3 head expects a target of width 96 \(fc.weight 64x288\) but "
+                                               r"this target has width 64"),
+    ("eagle", dict(fc__weight=(64, 2 * 48)), r"EAGLE head expects a target of width 48 \(fc.weight 64x96\) but this "
+                                              r"target has width 64"),
+    ("eagle3", dict(t2d=(VOCAB + 5,)), rf"EAGLE-3 head expects a target of {VOCAB + 5} token ids "
+                                       rf"\(t2d {VOCAB + 5}\) but this target has {VOCAB}"),
+    ("eagle3", dict(midlayer__mlp__down_proj__weight=(64, 100)),
+     r"EAGLE-3 head's weights do not fit this target \(width 64, 6 layers, 97 token ids\) and its config.json: "
+     r"midlayer.mlp.down_proj.weight 64x100, where 64x128 is needed"),
+])
+@pytest.mark.parametrize("bin_file", [False, True], ids=["safetensors", "bin"])
+def test_a_head_whose_weights_misfit_is_refused_by_their_shapes_before_they_load(target, tmp_path, monkeypatch, kind,
+                                                                                 changed, reason, bin_file):
+    folder = misfit(save_published(tiny_head(kind, target, reduced=kind == "eagle3"), tmp_path / "head", bin_file),
+                    bin_file, **changed)
+    no_weight_loads(monkeypatch)
+    with pytest.raises(ValueError, match=f"^{folder}: this {reason}"):
+        load_head(folder, target, CPU, torch.float32)
+
+
+def test_the_cli_refuses_a_misfit_head_with_one_message_before_any_model_loads(tmp_path, monkeypatch, capsys):
+    from conftest import save_tiny
+    from transformers import AutoTokenizer
+
+    from specextend import models
+    from specextend.tools import bundled
+    from specextend.tools.cli import main
+
+    tokenizer = AutoTokenizer.from_pretrained(bundled.target_dir())
+    target_dir = save_tiny(tmp_path / "target", tokenizer, len(tokenizer), seed=1, layers=2)
+    target_config = LlamaConfig.from_pretrained(target_dir)
+    with torch.device("meta"):
+        built = EagleHead("eagle", config_like(target_config), SimpleNamespace(config=target_config))
+    head_dir = tmp_path / "head"
+    head_dir.mkdir()
+    (head_dir / "config.json").write_text(json.dumps({**built.config.to_diff_dict(), "architectures": ["LlamaForCausalLM"]}))
+    wide = {k: torch.zeros(v.shape) for k, v in built.state_dict().items()} | {"fc.weight": torch.zeros(32, 2 * 4096)}
+    save_file(wide, str(head_dir / "model.safetensors"))
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The river flooded the valley. " * 20)
+    capsys.readouterr()  # saving the target printed its progress
+    no_weight_loads(monkeypatch)
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model loaded before the head's refusal"))
+    assert main(["generate", "--input", str(doc), "--method", "speculative", "--target", str(target_dir),
+                 "--draft", str(head_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {head_dir}: this EAGLE head expects a target of width 4096 (fc.weight 32x8192) but the "
+                   f"target {target_dir} has width 32\n")
 
 
 SMALL_CACHE = RetrievalConfig(chunk_size=4, top_k=4, retrieve_every=2, prefill_window=8, sink_tokens=2)
