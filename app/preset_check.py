@@ -27,6 +27,7 @@ from specextend.tools.prompting import LONG_OUTPUT_TOKENS
 from .backend import serve
 from .runner import Knobs
 from .settings import PRESETS, Settings
+from .studio import KNOB_NAMES, SessionState, Studio
 
 # published config fields per model: family, layers, hidden, heads, KV heads, head dim, intermediate, embedding rows,
 # context, tied embeddings, rope
@@ -183,8 +184,6 @@ def document_for(key: str, tokens: int, max_new: int) -> str:
 def studio_for(shrink: bool, presets: list[str], max_new: int, timings: dict):
     """A Studio serving `presets`, each built at random when chosen (its build seconds go to `timings`), and the knob
     values a race asks with: the defaults, `max_new` new tokens."""
-    from .ui import KNOB_NAMES, Studio
-
     settings = Settings(pairs=tuple(PRESETS[p] for p in presets), max_new_tokens=max_new)
     knobs = replace(Knobs(), max_new_tokens=max_new)
     return Studio(factory_for(shrink, *device_dtype(), timings), settings), [getattr(knobs, n) for n in KNOB_NAMES]
@@ -192,8 +191,6 @@ def studio_for(shrink: bool, presets: list[str], max_new: int, timings: dict):
 
 def race(studio, key: str, document: str, values: list, workload: str = "document"):
     """One click's race through `Studio.run` on preset `key`: the finished job and each method's output ids."""
-    from .ui import SessionState
-
     state = SessionState()
     *_, last = studio.run(state, document, "w5 w6 w7", key, RACE[0], list(RACE[1:]), "0.3", *values, workload=workload)
     if state.job is None:  # refused before it began: the status says why

@@ -87,7 +87,7 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "transformer
       "device", torch.cuda.get_device_name() if cuda else "cpu")
 from specextend.models import check_transformers
 check_transformers()
-import app.preset_check, app.soak, app.ui, specextend.tools.gpu_check
+import app.preset_check, app.soak, app.studio, specextend.tools.gpu_check
 sys.exit(0 if cuda or $QUICK else "no CUDA device: use --quick on a CPU")
 EOF
 )

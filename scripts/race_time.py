@@ -19,7 +19,7 @@ from app import documents
 from app.backend import real_factory
 from app.runner import Job, Knobs, build_config
 from app.settings import BUNDLED_PAIR
-from app.ui import DEFAULT_TASK
+from app.studio import DEFAULT_TASK
 from specextend.events import Prefilled, Started
 
 METHODS = ("specextend", "speculative", "autoregressive")  # the page's default method and race

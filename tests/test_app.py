@@ -21,7 +21,7 @@ from app import Settings, build_app, documents, launch
 from app.runner import Knobs, build_config
 from app.settings import BUNDLED, BUNDLED_DRAFT_MODEL, parse_pairs
 from app.trace import TraceError, loads
-from app.ui import DEFAULT_TASK
+from app.studio import DEFAULT_TASK
 from specextend.events import Retrieved
 
 from fixtures.fake_engine import fake_factory, fake_generate
@@ -178,7 +178,7 @@ def test_an_oversized_text_is_refused_before_tokenizing(client):
     started = time.perf_counter()
     status = client.predict(*run_args(document="word " * 6000), api_name="/run")[0]
     assert "30,000 characters" in status and "up to 20,000 characters" in status
-    from app.ui import Studio
+    from app.studio import Studio
 
     studio = Studio(fake_factory(), Settings(max_document_chars=20_000))
     assert "up to 20,000 characters" in studio.document_info("word " * 6000, BUNDLED)  # the page's own readout
@@ -287,7 +287,7 @@ def test_preloading_loads_the_default_pair_before_serving_and_a_failure_stops_st
 
 
 def test_the_servers_input_cap_refuses_a_longer_prompt_with_a_message():
-    from app.ui import DEFAULT_TASK, SessionState, Studio
+    from app.studio import DEFAULT_TASK, SessionState, Studio
 
     studio = Studio(fake_factory(), Settings(max_input_tokens=40))
     out = list(studio.run(SessionState(), DOC, "Summarize.", BUNDLED, "specextend", [], "0.3", *KNOBS.values()))
@@ -305,7 +305,7 @@ def test_the_servers_input_cap_refuses_a_longer_prompt_with_a_message():
 
 def test_a_prompt_of_exactly_the_cap_runs_and_the_readout_agrees():
     """The readout marks a prompt too long exactly when the run refuses it: at the cap it runs, one over it does not."""
-    from app.ui import DEFAULT_TASK, SessionState, Studio
+    from app.studio import DEFAULT_TASK, SessionState, Studio
 
     def click(studio):
         return html.unescape(list(studio.run(SessionState(), DOC, DEFAULT_TASK, BUNDLED, "autoregressive", [], "0.3",
@@ -372,7 +372,7 @@ def test_needle_tab_runs_cmr_and_streaming_on_a_planted_fact(client):
 
 
 def test_messages_escape_what_the_user_controls(tmp_path):
-    from app.ui import Studio
+    from app.studio import Studio
 
     studio = Studio(fake_factory(), Settings())
     path = tmp_path / "<img src=x onerror=alert(1)>.txt"
@@ -440,7 +440,7 @@ def test_a_click_that_must_wait_is_told_how_long():
     """The status a click shows at once: a free slot, or the runs holding the slots and, from how long recent runs
     took, when one should free."""
     from app.runner import Job
-    from app.ui import Studio
+    from app.studio import Studio
 
     studio = Studio(fake_factory(), Settings(concurrency=1))
     assert "a slot is free" in studio.queued()
@@ -471,10 +471,10 @@ def test_the_app_stops_where_the_cli_stops():
 def test_runs_finishing_at_once_export_their_traces_without_losing_one(monkeypatch):
     """Eight runs export at once, over and over: each gets its own file, none fails, and the newest KEEP_TRACES stay
     (a sweep of old traces while another run wrote had failed one run with 'No such file or directory')."""
-    from app import ui
-    from app.ui import Studio
+    from app import studio as studio_module
+    from app.studio import Studio
 
-    monkeypatch.setattr(ui, "KEEP_TRACES", 5)
+    monkeypatch.setattr(studio_module, "KEEP_TRACES", 5)
     studio = Studio(fake_factory(), Settings())
     config = build_config("autoregressive", Knobs(max_new_tokens=4))
     events = {"autoregressive": list(fake_generate(list(range(100, 140)), config))}
@@ -512,7 +512,7 @@ def studio_run(studio, state, **overrides):
 def test_run_pressed_during_a_run_says_a_run_is_going_until_it_ends():
     """The page ignores Run while this tab's run goes; the click's immediate answer says so, and the notice stays
     in the status lines the run streams (progress lines must not overwrite it) until the run ends."""
-    from app.ui import RUN_IS_GOING, SessionState, Studio
+    from app.studio import RUN_IS_GOING, SessionState, Studio
 
     studio = Studio(fake_factory(step_s=0.02), Settings())
     state = SessionState()
@@ -531,20 +531,20 @@ def test_stop_is_said_until_the_run_ends_and_then_the_end_is_said(monkeypatch):
     """Once Stop is pressed no progress line replaces "Stopping" while the run winds down; the run's last message
     says it stopped as asked; Stop's own answer is "Stopping" only while the run has not ended (else it leaves the
     run's last word in place), so it can never land after that word and stay."""
-    from app import ui
-    from app.ui import STOPPING, SessionState, Studio
+    from app import studio as studio_module
+    from app.studio import STOPPING, SessionState, Studio
 
     studio = Studio(fake_factory(step_s=0.05), Settings())
     state = SessionState()
     stream = studio_run(studio, state, max_new_tokens=200, race=["autoregressive"])
     next(stream)
     next(stream)
-    monkeypatch.setattr(ui, "STOP_WAIT_S", 0.0)  # answer at once, before the run has wound down
+    monkeypatch.setattr(studio_module, "STOP_WAIT_S", 0.0)  # answer at once, before the run has wound down
     assert STOPPING in html.unescape(studio.stop(state))
     after = [html.unescape(m[0]) for m in stream]
     assert all("tokens generated" not in s and "prefill" not in s for s in after), after
     assert "Stopped, as asked" in after[-1] and "Done." not in after[-1]
-    monkeypatch.setattr(ui, "STOP_WAIT_S", 5.0)
+    monkeypatch.setattr(studio_module, "STOP_WAIT_S", 5.0)
     stream = studio_run(studio, state, max_new_tokens=200)
     next(stream)
     answer = studio.stop(state)  # the run ends within the wait: Stop leaves the run's own last word
@@ -564,7 +564,7 @@ def test_a_refused_run_leaves_no_waiting_text(client):
 def test_the_api_names_every_parameter_and_output_and_refuses_in_the_pages_words(client):
     """`/run`'s knobs are named as the page's controls are, not param_7..., its outputs by their panels, not
     value_17...; a refused knob is named as the page labels it (not the engine's field name)."""
-    from app.ui import KNOB_NAMES
+    from app.studio import KNOB_NAMES
 
     api = client.view_api(print_info=False, return_format="dict")["named_endpoints"]
     run = [p["parameter_name"] for p in api["/run"]["parameters"]]
@@ -577,7 +577,7 @@ def test_the_api_names_every_parameter_and_output_and_refuses_in_the_pages_words
     assert "chunk size must be at least 1 token" in status and "chunk_size" not in status
     status = client.predict(document=DOC, top_k=1, api_name="/run")[0]
     assert "top-k chunks kept" in status and "top_k" not in status
-    from app.ui import SessionState, Studio
+    from app.studio import SessionState, Studio
 
     studio = Studio(fake_factory(), Settings())  # past the page's own checks (its list of haystacks, its sliders)
     for args, said in ((("no-such-text", 4000, 50, 0, 8, 12), "no bundled document named 'no-such-text'"),
@@ -590,7 +590,7 @@ def test_the_api_names_every_parameter_and_output_and_refuses_in_the_pages_words
 def test_a_long_output_writes_thousands_of_tokens_from_a_short_prompt_and_cmr_reads_the_output_back(client):
     """The long-output workload through the API: a short prompt, 2,000+ new tokens (this server allows them), the
     race; the trace says which workload ran, and CMR's late retrievals keep chunks of the output."""
-    from app.ui import Studio
+    from app.studio import Studio
 
     studio = Studio(fake_factory(), Settings(max_new_tokens=3000))
     sample, prompts, box, task, tokens = studio.choose_workload("long_output")
@@ -610,7 +610,7 @@ def test_a_long_output_writes_thousands_of_tokens_from_a_short_prompt_and_cmr_re
     assert len(finished.token_ids) == 250 and finished.prompt_len < 100
     late = [e for e in runs["specextend"] if isinstance(e, Retrieved) and e.seq_len > 3 * finished.prompt_len]
     assert late and any(e.chunk_spans[i][0] >= finished.prompt_len for e in late for i in e.selected)
-    from app.ui import SessionState
+    from app.studio import SessionState
 
     refused = list(studio_run(studio, SessionState(), workload="poem"))  # the page's radio offers no such choice
     assert len(refused) == 1 and "the workload is 'document'" in html.unescape(refused[0][0])

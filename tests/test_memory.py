@@ -55,7 +55,7 @@ def test_a_finished_job_hands_the_memory_it_freed_back():
 def test_the_queue_estimate_keeps_when_jobs_ran_not_the_jobs():
     """Recent jobs feed the waiting user's estimate with their times alone: once its session lets a finished job go,
     nothing of it (its runs, its prompt) is kept, and the estimate still counts how long it took."""
-    from app.ui import Studio
+    from app.studio import Studio
 
     studio = Studio(fake_factory(), Settings(concurrency=1))
     job = finished(lambda say: (time.sleep(0.05), (None, None, 0, None))[1])

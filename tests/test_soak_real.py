@@ -25,7 +25,7 @@ NEW = 12
 @pytest.fixture(scope="module")
 def studio():
     from app.backend import real_factory
-    from app.ui import Studio
+    from app.studio import Studio
 
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)  # as the app runs (conftest pins tests to one thread)
@@ -34,7 +34,7 @@ def studio():
 
 
 def test_races_and_needle_runs_keep_memory_flat(studio):
-    from app.ui import SessionState
+    from app.studio import SessionState
 
     main, needle_tab = SessionState(), SessionState()
     text = documents.sample_text("britannica_life")

@@ -109,7 +109,8 @@ def test_the_step_handlers_stay_within_the_run_and_play_stops_at_its_end():
     from pathlib import Path
 
     from app.settings import Settings
-    from app.ui import STEP_PANELS, SessionState, Studio
+    from app.stepping import STEP_PANELS
+    from app.studio import SessionState, Studio
     from fixtures.fake_engine import fake_factory
 
     fixture = Path(__file__).parent / "fixtures" / "smollm2_hamlet.trace.json"

@@ -179,12 +179,12 @@ def last_readout(studio, state, path) -> str:
 
 
 def test_a_replay_says_the_recorded_machine_was_busy_not_the_replaying_one(tmp_path, monkeypatch):
-    import app.ui as ui
+    import app.studio as studio_module
     from app.settings import Settings
     from fixtures.fake_engine import fake_factory
 
-    studio, state = ui.Studio(fake_factory(), Settings()), ui.SessionState()
-    monkeypatch.setattr(ui, "machine_load", lambda: 6.0)  # the machine replaying is busy
+    studio, state = studio_module.Studio(fake_factory(), Settings()), studio_module.SessionState()
+    monkeypatch.setattr(studio_module, "machine_load", lambda: 6.0)  # the machine replaying is busy
     quiet, busy, unknown = tmp_path / "quiet.json", tmp_path / "busy.json", tmp_path / "unknown.json"
     quiet.write_text(studio_trace([0.1, 0.2], machine_load=0.2))
     busy.write_text(studio_trace([0.1, 0.2], machine_load=2.5))
@@ -195,12 +195,12 @@ def test_a_replay_says_the_recorded_machine_was_busy_not_the_replaying_one(tmp_p
 
 
 def test_an_export_records_the_machines_load_and_a_replay_keeps_the_recorded_one(tmp_path, monkeypatch):
-    import app.ui as ui
+    import app.studio as studio_module
     from app.settings import Settings
     from fixtures.fake_engine import fake_factory
 
-    studio = ui.Studio(fake_factory(), Settings())
-    monkeypatch.setattr(ui, "machine_load", lambda: 3.25)
+    studio = studio_module.Studio(fake_factory(), Settings())
+    monkeypatch.setattr(studio_module, "machine_load", lambda: 3.25)
     runs, codec, _ = loads(studio_trace([0.1]))
     live = json.loads(Path(studio._export(runs, codec.decode, {"primary": "autoregressive"})).read_text())
     assert live["meta"]["machine_load"] == 3.25 and loads(json.dumps(live))[2]["machine_load"] == 3.25

@@ -20,7 +20,8 @@ import pytest
 from app import zerogpu
 from app.backend import Codec, Loaded
 from app.settings import BUNDLED, BUNDLED_PAIRS, PRESETS, Settings
-from app.ui import SessionState, Studio, build_app
+from app.studio import SessionState, Studio
+from app.ui import build_app
 from app.zerogpu import GpuCost, StopFlag, estimate_seconds
 
 from fixtures.fake_engine import WordTokenizer, fake_factory
