@@ -6,7 +6,8 @@
 #   ONLY=soak bash scripts/gpu_proof.sh  # a rerun of some parts after the preflight (names as below, comma-separated)
 #
 # Parts, in order, each under its own `timeout` (so one hang cannot eat the machine's time), cut further to what is
-# left of DEADLINE (default 540 s from the start: the whole run stays under a 10-minute command limit):
+# left of DEADLINE (default 540 s from the start: the whole run stays under a 10-minute command limit). With --quick
+# the limits only catch a hang (900 s a part, DEADLINE 3600 s): a test runs it on a CPU that other work may be busy on.
 #   preflight  60 s  versions, the GPU, transformers >= 5.24 and every module the parts import (about 15 s: a missing
 #                    package fails here, in seconds, and nothing else runs)
 #   gpu_check 170 s  python -m specextend.tools.gpu_check at 4K and 16K (one H200 took 140-170 s with 32K as well;
@@ -28,7 +29,7 @@ QUICK=0
 [ "${1:-}" = "--quick" ] && QUICK=1
 OUT=${OUT:-results/gpu_proof}
 PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
-DEADLINE=${DEADLINE:-540}
+DEADLINE=${DEADLINE:-$([ $QUICK = 1 ] && echo 3600 || echo 540)}
 ONLY=${ONLY:-}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
@@ -91,19 +92,20 @@ import app.preset_check, app.soak, app.studio, specextend.tools.gpu_check
 sys.exit(0 if cuda or $QUICK else "no CUDA device: use --quick on a CPU")
 EOF
 )
-part preflight 60 "$PYTHON" -c "$PREFLIGHT"
+part preflight $([ $QUICK = 1 ] && echo 900 || echo 60) "$PYTHON" -c "$PREFLIGHT"
 if [ "$FAILED" = 1 ]; then  # nothing else could run
   cat "$OUT/summary.md"
   exit 1
 fi
 
 if [ $QUICK = 1 ]; then  # the same parts in tiny shapes (tests/test_steps.py runs every section of gpu_check --quick)
-  part gpu_check 120 "$PYTHON" -m specextend.tools.gpu_check --quick --skip lossless,steps,engine --lengths 64,128 \
+  HANG=900  # quiet, each part takes 10-60 s; a busy machine once took 150 s over the long part
+  part gpu_check $HANG "$PYTHON" -m specextend.tools.gpu_check --quick --skip lossless,steps,engine --lengths 64,128 \
     --out "$WORK/gpu_check"
-  part presets 120 "$PYTHON" -m app.preset_check --shrink --tokens 200 --max-new-tokens 4 --out "$WORK/presets"
-  part long 60 "$PYTHON" -m app.preset_check --shrink --long-output --presets qwen3-8b-eagle3 --max-new-tokens 32 \
+  part presets $HANG "$PYTHON" -m app.preset_check --shrink --tokens 200 --max-new-tokens 4 --out "$WORK/presets"
+  part long $HANG "$PYTHON" -m app.preset_check --shrink --long-output --presets qwen3-8b-eagle3 --max-new-tokens 32 \
     --out "$WORK/long"
-  part soak 120 "$PYTHON" -m app.soak --shrink --runs 12 --tokens 200 --max-new-tokens 4 --out "$WORK/soak"
+  part soak $HANG "$PYTHON" -m app.soak --shrink --runs 12 --tokens 200 --max-new-tokens 4 --out "$WORK/soak"
 else
   part gpu_check 170 "$PYTHON" -m specextend.tools.gpu_check --lengths 4096,16384 --out "$WORK/gpu_check"
   part presets 100 "$PYTHON" -m app.preset_check --out "$WORK/presets"
