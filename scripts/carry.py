@@ -322,8 +322,9 @@ class Carry:
 def report(carry: Carry, files: tuple[int, int], untracked: tuple[int, int], folder: str,
            part_needs: dict[str, dict[str, set[str]]], problems: list[str]) -> str:
     """The plan as printed: sizes, the total against the bar, what each part needs, the call's carry and command."""
-    rows = [(f"tracked tree (git ls-files, {files[0]} files)", files[1], ""),
-            (f"untracked, not ignored ({untracked[0]} files; they travel too)", untracked[1], "")]
+    count = lambda n: f"{n} file{'' if n == 1 else 's'}"  # noqa: E731
+    rows = [(f"tracked tree (git ls-files, {count(files[0])})", files[1], ""),
+            (f"untracked, not ignored ({count(untracked[0])}; they travel too)", untracked[1], "")]
     rows += [(f"{w.name}=={w.version} ({folder}/)", w.size, WHEELS.get(w.name, "not in the list"))
              for w in carry.wheels]
     width = max(len(r[0]) for r in rows)
