@@ -5,9 +5,9 @@
 
 A call to the GPU machine takes the working tree (tracked files, and untracked ones git does not ignore) and the
 ignored paths it names in `carry`: 64 MiB in all, and this project's bar is 60 MiB. The GPU image (IMAGE below) has
-CPython 3.12, torch 2.11, transformers 5.17 and Triton, and no gradio, plotly or orjson, so three wheels travel
-(WHEELS below; their versions are requirements.txt's pins). `WHEELS=.whl bash scripts/gpu_proof.sh` installs them
-offline there.
+CPython 3.12, torch 2.11, transformers 5.17 and Triton, and no gradio, plotly, orjson or gguf, so four wheels
+travel (WHEELS below; their versions are requirements.txt's pins). `WHEELS=.whl bash scripts/gpu_proof.sh` installs
+them offline there.
 
 The list is checked against the proof's imports: the modules its parts run (`-m` in scripts/gpu_proof.sh) and its
 preflight imports, followed through the project's own modules, imports inside functions included; left out are
@@ -46,6 +46,7 @@ WHEELS = {
                     "(5.24 and newer: specextend.models.TRANSFORMERS_MIN)",
     "plotly": "the app's panels, drawn by every click that the presets and the soak make",
     "orjson": "the Studio serialises each panel's figure with it (app.studio, app.updates)",
+    "gguf": "the bundled models' compact weights are read with it (specextend.compact, inside its functions)",
 }
 NEVER_CARRIED = {"torch": "the image's CUDA build is the one the proof measures"}
 
