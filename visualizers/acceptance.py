@@ -21,8 +21,8 @@ from specextend.events import Drafted, Event, Verified
 from specextend.metrics import acceptance_by_source, node_depths, step_tokens_by_source
 
 from .common import (
-    STATUS_COLORS, Decode, Spec, accepted_kind, base_layout, draft_name, has_draft, hover_text, message_spec, method_of,
-    of, sat_out_note, title,
+    LINE_EM, REFERENCE_WIDTH, STATUS_COLORS, TITLE_PAD, TITLE_SIZE, Decode, Spec, accepted_kind, base_layout,
+    draft_name, has_draft, hover_text, message_spec, method_of, of, sat_out_note, small, title, title_height, wrapped,
 )
 
 HOVER_STEPS = 200  # hover text is kept for the most recent steps only, so a redraw stays small
@@ -30,6 +30,16 @@ CELL_STEPS = 300  # the most recent steps drawn as columns of cells
 MAX_BARS = 300  # past this many steps, the tokens-per-step bars are means over runs of consecutive steps
 MEAN_OF = 8  # the line over those bars: the mean of the last MEAN_OF bars' steps
 REJECTED, ACCEPTED, COPIED, BONUS = 1, 2, 3, 4
+# the figure in pixels, top down: the title (as tall as its lines), the cells, a gap holding the cells' step ticks and
+# the row's subplot titles (at most SUB_LINES lines each), the row below, its ticks and axis titles
+SUB_SIZE, SUB_LINES = 11, 3  # the subplot titles' font and most lines
+CELLS_PX, ROW_PX, BOTTOM_PX = 170, 150, 44
+GAP_PX = 22 + math.ceil(SUB_LINES * LINE_EM * SUB_SIZE) + 8  # the cells' step ticks, the subplot titles, a space
+MARGIN_L, MARGIN_R = 56, 16
+TICK_PX = 14  # the least pixels between a tick and the next for their labels to stay apart
+LABEL_CHARS = 8  # a tree node's label is cut past this many characters (its hover keeps the whole token)
+# the row below: acceptance rate by draft position, tokens committed per step, the latest draft tree
+ROW_DOMAINS = ((0.0, 0.27), (0.36, 0.64), (0.72, 0.97))
 CELL_SCALE = [
     [0.0, STATUS_COLORS["rejected"]], [0.24, STATUS_COLORS["rejected"]],
     [0.25, STATUS_COLORS["accepted"]], [0.49, STATUS_COLORS["accepted"]],
@@ -125,10 +135,11 @@ def _tree_traces(drafted: Drafted, verified: Verified, decode: Decode, axes: dic
     node_colors = [STATUS_COLORS[accepted_kind(drafted, n)] if ok else STATUS_COLORS["rejected"]
                    for n, ok in enumerate(verified.accepted)]
     symbols = ["diamond" if accepted_kind(drafted, n) == "copied" else "circle" for n in range(len(drafted.tokens))]
-    labels = [_token(decode, t) for t in drafted.tokens]
-    hovers = [f"“{lab}” {'accepted' if ok else 'not kept'} ({_who(drafted, n, name)})"
-              for n, (lab, ok) in enumerate(zip(labels, verified.accepted))]
+    words = [_token(decode, t) for t in drafted.tokens]
+    hovers = [f"“{word}” {'accepted' if ok else 'not kept'} ({_who(drafted, n, name)})"
+              for n, (word, ok) in enumerate(zip(words, verified.accepted))]
     bonus = _token(decode, verified.bonus_token)
+    labels = [cut_label(word) for word in words]
     line = {"type": "scatter", "mode": "lines", "hoverinfo": "skip", **axes}
     return [
         {**line, "x": ex, "y": ey, "line": {"color": "#d0d7de", "width": 1}},
@@ -136,11 +147,32 @@ def _tree_traces(drafted: Drafted, verified: Verified, decode: Decode, axes: dic
         {"type": "scatter", "mode": "markers+text", "x": [0] + depths + [bx], "y": [root_y] + ys + [by],
          "marker": {"size": 9, "color": ["#1f2933"] + node_colors + [STATUS_COLORS["bonus"]],
                     "symbol": ["circle"] + symbols + ["circle"]},
-         "text": ["root"] + labels + [bonus], "textfont": {"size": 10},
+         "text": ["root"] + labels + [cut_label(bonus)], "textfont": {"size": 10}, "cliponaxis": False,
          "textposition": ["bottom center"] + [("top center", "bottom center")[d % 2] for d in depths] + ["top center"],
          "hovertext": ["last committed token"] + hovers + [f"bonus “{bonus}” from the target"],
          "hoverinfo": "text", **axes},
     ]
+
+
+def cut_label(word: str) -> str:
+    """A tree node's label: the token, cut with an ellipsis past LABEL_CHARS characters."""
+    return word if len(word) <= LABEL_CHARS else word[: LABEL_CHARS - 1] + "…"
+
+
+def tree_ranges(drafted: Drafted) -> tuple[list[float], list[float]]:
+    """The tree's x range (depth, from the root at 0 to the bonus token one past the deepest node) and reversed y
+    range (leaf order), each padded so the labels above and below the outer nodes stay inside the subplot."""
+    ys = tree_layout(drafted.parents)
+    depth = max(node_depths(drafted.parents), default=0)
+    return [-0.5, depth + 1.5], [max(ys, default=0.0) + 0.8, min(ys, default=0.0) - 0.8]
+
+
+def subplot_titles(titles: Sequence[Sequence[str]]) -> list[list[str]]:
+    """The row's subplot titles, each given as phrases that start lines, cut into lines that fit its subplot's width
+    at REFERENCE_WIDTH."""
+    plot_px = REFERENCE_WIDTH - MARGIN_L - MARGIN_R
+    return [[line for phrase in phrases for line in wrapped(phrase, (b - a) * plot_px, SUB_SIZE)]
+            for phrases, (a, b) in zip(titles, ROW_DOMAINS)]
 
 
 def per_step_words(events: Sequence[Event], name: str) -> str:
@@ -192,14 +224,14 @@ def acceptance_spec(events: Sequence[Event], decode: Decode) -> Spec:
     name = draft_name(events)
     shown = verified[-CELL_STEPS:]
     columns = [step_cells(trees.get(v.step), v) for v in shown]
-    height = max(len(c) for c in columns)
-    z = [[c[row] if row < len(c) else None for c in columns] for row in range(height)]  # (cell row, step shown)
+    cell_rows = max(len(c) for c in columns)
+    z = [[c[row] if row < len(c) else None for c in columns] for row in range(cell_rows)]  # (cell row, step shown)
     hover_from = len(shown) - HOVER_STEPS
     texts_by_step = [_cell_texts(trees.get(v.step), v, decode, name) if i >= hover_from else ()
                      for i, v in enumerate(shown)]
-    text = [[t[row] if row < len(t) else "" for t in texts_by_step] for row in range(height)]
+    text = [[t[row] if row < len(t) else "" for t in texts_by_step] for row in range(cell_rows)]
     cells = {
-        "type": "heatmap", "x": [v.step for v in shown], "y": list(range(1, height + 1)), "z": z, "text": text,
+        "type": "heatmap", "x": [v.step for v in shown], "y": list(range(1, cell_rows + 1)), "z": z, "text": text,
         "hovertemplate": "%{text}<extra></extra>", "colorscale": CELL_SCALE, "zmin": 1, "zmax": 4,
         "showscale": False, "xgap": 1 if len(shown) <= 150 else 0, "ygap": 1,
     }
@@ -222,33 +254,42 @@ def acceptance_spec(events: Sequence[Event], decode: Decode) -> Spec:
 
     columns_are = (f"The last {len(shown):,} of {len(verified):,} steps, one column each" if len(shown) < len(verified)
                    else f"{len(verified):,} steps, one column each")
-    headline = (f"{columns_are} · {per_step_words(events, name)}<br>"
-                f"<span style='font-size:12px'>green: the {name}'s tokens the target accepted · violet: "
-                "tokens a lookup copied, accepted · gold: the target's bonus token · red: drafted, not kept</span>")
+    line_px = REFERENCE_WIDTH - 2 * TITLE_PAD
     note = sat_out_note(events)
-    lines = hover_text(note[:1].upper() + note[1:], width=150, limit=400) if note else ""
-    if lines:
-        headline += f"<br><span style='font-size:12px'>{lines}</span>"
-    sub = {"xref": "paper", "yref": "paper", "y": 0.41, "yanchor": "bottom", "showarrow": False,
-           "xanchor": "left", "font": {"size": 12}}
+    headline = "<br>".join([
+        *wrapped(f"{columns_are} · {per_step_words(events, name)}", line_px, TITLE_SIZE),
+        small(wrapped(f"green: the {name}'s tokens the target accepted · violet: tokens a lookup copied, accepted · "
+                      "gold: the target's bonus token · red: drafted, not kept", line_px, 12)),
+        *([small(wrapped(note[:1].upper() + note[1:], line_px, 12, limit=400))] if note else []),
+    ])
+    top = title_height(headline)
+    plot_px = CELLS_PX + GAP_PX + ROW_PX
+    row_top = ROW_PX / plot_px
+    sub = {"xref": "paper", "yref": "paper", "y": row_top + 4 / plot_px, "yanchor": "bottom", "showarrow": False,
+           "xanchor": "left", "align": "left", "font": {"size": SUB_SIZE}}
+    titles = subplot_titles([
+        ["acceptance rate by position", *([f"(green: the {name}, violet: lookup)"] if len(rate_bars) > 1 else [])],
+        ["tokens committed per step", *([f"(mean of each {width})"] if width > 1 else [])],
+        [f"step {last.step}: draft tree and accepted path"],
+    ])
+    positions = max((len(b["x"]) for b in rate_bars), default=1)
+    rate_px = (ROW_DOMAINS[0][1] - ROW_DOMAINS[0][0]) * (REFERENCE_WIDTH - MARGIN_L - MARGIN_R)
+    tree_x, tree_y = tree_ranges(trees[last.step]) if last.step in trees else ([-0.5, 1.5], [0.8, -0.8])
     layout = base_layout(
-        480,
-        margin={"l": 56, "r": 16, "t": 56 + 16 * (lines.count("<br>") + 1 if lines else 0), "b": 40},
-        title=title(headline),
+        top + plot_px + BOTTOM_PX,
+        margin={"l": MARGIN_L, "r": MARGIN_R, "t": top, "b": BOTTOM_PX},
+        title=title(headline, top + plot_px + BOTTOM_PX),
         xaxis={"domain": [0, 1], "anchor": "y", "showgrid": False, "zeroline": False},
-        yaxis={"domain": [0.56, 1.0], "title": {"text": "token in step"}, "dtick": 1, "showgrid": False},
-        xaxis2={"domain": [0, 0.27], "anchor": "y2", "title": {"text": "draft position"}, "dtick": 1},
-        yaxis2={"domain": [0, 0.38], "anchor": "x2", "range": [0, 1.05], "tickformat": ".0%"},
-        xaxis3={"domain": [0.36, 0.64], "anchor": "y3", "title": {"text": "step"}},
-        yaxis3={"domain": [0, 0.38], "anchor": "x3", "rangemode": "tozero"},
-        xaxis4={"domain": [0.72, 1.0], "anchor": "y4", "visible": False},
-        yaxis4={"domain": [0, 0.38], "anchor": "x4", "visible": False, "autorange": "reversed"},
-        annotations=[
-            {**sub, "x": 0.0, "text": "acceptance rate by draft position"
-             + (f" (green: the {name}, violet: lookup)" if len(rate_bars) > 1 else "")},
-            {**sub, "x": 0.36, "text": "tokens committed per step" + (f" (mean of each {width})" if width > 1 else "")},
-            {**sub, "x": 0.72, "text": f"step {last.step}: draft tree and accepted path"},
-        ],
+        yaxis={"domain": [(ROW_PX + GAP_PX) / plot_px, 1.0], "title": {"text": "token in step"}, "showgrid": False,
+               **({"dtick": 1} if CELLS_PX / cell_rows >= TICK_PX else {})},
+        xaxis2={"domain": list(ROW_DOMAINS[0]), "anchor": "y2", "title": {"text": "draft position"},
+                **({"dtick": 1} if rate_px / positions >= 2 * TICK_PX else {})},
+        yaxis2={"domain": [0, row_top], "anchor": "x2", "range": [0, 1.05], "tickformat": ".0%"},
+        xaxis3={"domain": list(ROW_DOMAINS[1]), "anchor": "y3", "title": {"text": "step"}},
+        yaxis3={"domain": [0, row_top], "anchor": "x3", "rangemode": "tozero"},
+        xaxis4={"domain": list(ROW_DOMAINS[2]), "anchor": "y4", "visible": False, "range": tree_x},
+        yaxis4={"domain": [0, row_top], "anchor": "x4", "visible": False, "range": tree_y},
+        annotations=[{**sub, "x": a, "text": "<br>".join(lines)} for lines, (a, _) in zip(titles, ROW_DOMAINS)],
         bargap=0.15,
     )
     return {"data": data, "layout": layout}

@@ -247,8 +247,43 @@ def thinned(points: Sequence[E], most: int) -> list[E]:
     return [*points[:-1:k], points[-1]]
 
 
-def title(text: str) -> dict[str, Any]:
-    return {"text": text, "x": 0.0, "xanchor": "left", "font": {"size": 14}}
+# Text is laid out for the narrowest figure the Studio draws (its plot column in a 1,280-pixel window); wider ones
+# only gain room. Widths are estimated from the font size: plotly measures text only in the browser.
+REFERENCE_WIDTH = 800  # pixels
+CHAR_EM = 0.56  # a character's width in em, a little over what the panels' sans-serif fonts take (DejaVu Sans: 0.52)
+LINE_EM = 1.3  # plotly's line spacing, in em of the text's base font
+TITLE_SIZE = 14
+TITLE_PAD = 8  # pixels between the title and the figure's left and top edges
+
+
+def fits(px: float, size: float) -> int:
+    """How many characters of text at font `size` fit in `px` pixels."""
+    return max(1, int(px / (CHAR_EM * size)))
+
+
+def wrapped(text: str, px: float, size: float, limit: int = 10_000) -> list[str]:
+    """Plain text (cut with an ellipsis past `limit` characters) escaped and broken at spaces into lines that fit `px`
+    pixels at font `size`."""
+    return hover_text(text, width=fits(px, size), limit=limit).split("<br>")
+
+
+def small(lines: Sequence[str]) -> str:
+    """Title lines (escaped HTML) in the 12-pixel font of a headline's second lines, each line its own span."""
+    return "<br>".join(f"<span style='font-size:12px'>{line}</span>" for line in lines)
+
+
+def title(text: str, height: int) -> dict[str, Any]:
+    """A panel's title in a figure `height` pixels tall, hung from its top left corner: `title_height(text)` pixels.
+    Plotly sets a title of several lines by its first line alone and runs the others below it, whatever its yanchor,
+    so the first line's foot is placed (TITLE_PAD + TITLE_SIZE pixels down) and the block grows down from there."""
+    return {"text": text, "x": 0.0, "xanchor": "left", "y": 1 - (TITLE_PAD + TITLE_SIZE) / height, "yref": "container",
+            "yanchor": "bottom", "pad": {"l": TITLE_PAD}, "font": {"size": TITLE_SIZE}}
+
+
+def title_height(text: str) -> int:
+    """Pixels a `title` of this text takes from the figure's top edge: its first line's foot, a line's spacing (of the
+    title's font, whatever size a line's own span sets) per further line, then room for descenders and a gap."""
+    return math.ceil(TITLE_PAD + TITLE_SIZE + text.count("<br>") * LINE_EM * TITLE_SIZE + 10)
 
 
 def message_spec(text: str, height: int = 220) -> Spec:

@@ -57,11 +57,12 @@ def heads_spec(share: Sequence[Sequence[float]], signals: Mapping[str, Sequence[
             shapes.append({"type": "rect", "x0": head - 0.45, "x1": head + 0.45, "y0": layer - 0.45, "y1": layer + 0.45,
                            "line": {"color": colour, "width": 2}, "fillcolor": "rgba(0,0,0,0)"})
         legend.append(f"<span style='color:{colour}'>▢ {html.escape(name)}</span>")
+    height = max(260, 14 * layers + 120)
     layout = base_layout(
-        max(260, 14 * layers + 120),
+        height,
         title=title(f"Where the target looks for the needle: each head's share of attention on it (last {rows} "
                     f"prompt rows)<br><span style='font-size:12px'>outlined: the heads each signal reads · "
-                    + " · ".join(legend) + "</span>"),
+                    + " · ".join(legend) + "</span>", height),
         xaxis={"title": {"text": "head"}, "dtick": 1}, yaxis={"title": {"text": "layer"}, "autorange": "reversed"},
         margin={"l": 48, "r": 16, "t": 64, "b": 40}, shapes=shapes)
     return {"data": [heat], "layout": layout}
@@ -90,10 +91,11 @@ def needle_spec(runs: Mapping[str, Sequence[Event]], needle_span: tuple[int, int
         "showscale": False, "xgap": 2, "ygap": 4, "texttemplate": "%{z:.0%}" if len(steps) <= 24 else "",
         "hovertemplate": "%{y}, after step %{x}: %{text}<extra></extra>",
     }
+    height = 120 + 60 * len(names)
     layout = base_layout(
-        120 + 60 * len(names),
+        height,
         title=title(f"Is the needle (tokens {needle_span[0]}–{needle_span[1]}, {depth:.0%} into the prompt) "
-                    "in the draft's cache? green: all of it · red: none"),
+                    "in the draft's cache? green: all of it · red: none", height),
         xaxis={"title": {"text": "after step"}, "type": "category"},
         yaxis={"automargin": True, "autorange": "reversed"},
         margin={"l": 40, "r": 16, "t": 40, "b": 48},

@@ -36,6 +36,9 @@ MAX_CELLS = 24_000  # and no more rows than keep the heatmap within this many ce
 STRIP_TEXT = 40_000  # characters of chunk text the strip's hovers share (each gets at least 60, at most 280)
 OUTPUT_BAND = "#7d8597"  # the band under the strip's chunks of the model's own output
 GAP = 24  # pixels between the strip and the heatmap, where that band runs
+STRIP_PX = 44  # pixels per strip row
+MARGIN_T, MARGIN_B = (60, 76), 40  # the top margin under a title of two lines (one strip row) or three (two rows)
+LABEL_PX = 14  # the least pixels between two of the numbers at the heatmap's right for them to stay apart
 SELECTED = "#1d3557"
 OUTLINE = "#e63946"
 FAR = "#2a9d8f"  # kept chunks a recency window of the same size would not hold
@@ -74,10 +77,20 @@ def _rows_that_fit(columns: int) -> int:
     return max(1, min(MAX_ROWS, MAX_CELLS // max(columns, 1)))
 
 
-def _label_every(n_rows: int) -> int:
+def panel_height(n_rows: int, strips: int, height: int | None = None) -> int:
+    """The panel's height in pixels: `height` where the caller sets it, else grown with the heatmap's rows."""
+    return height or 170 + STRIP_PX * (strips - 1) + min(260, 4 * n_rows + 40)
+
+
+def heat_pixels(height: int, strips: int) -> int:
+    """The heatmap's height in pixels in a panel `height` pixels tall with `strips` strip rows over it."""
+    return height - MARGIN_T[strips - 1] - MARGIN_B - STRIP_PX * strips - GAP
+
+
+def _label_every(n_rows: int, pixels: float) -> int:
     """Every how many rows (counted back from the latest) the heatmap's numbers at the right are written, so that
-    they do not overlap: a row of the default panel is about min(260, 4 n + 40) / n pixels tall."""
-    return max(1, math.ceil(10 * n_rows / min(260, 4 * n_rows + 40)))
+    no two are closer than LABEL_PX in a heatmap `pixels` tall."""
+    return max(1, math.ceil(LABEL_PX * n_rows / max(pixels, 1)))
 
 
 def changed(read: Retrieved | None, before: Retrieved | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -250,15 +263,17 @@ def _layout(events: Sequence[Event], headline: str, width: int, columns: list[in
     `output_from` on, the chunks are the model's own output."""
     prompt_len = len(prompt_ids(events))
     seq_len = prompt_len + len(new_tokens(events))
-    height = height or 170 + 44 * (len(strip_rows) - 1) + min(260, 4 * n_rows + 40)
-    strip_share = 44 * len(strip_rows) / (height - 100)
-    gap = GAP / (height - 100)
+    height = panel_height(n_rows, len(strip_rows), height)
+    top = MARGIN_T[len(strip_rows) - 1]
+    plot = height - top - MARGIN_B
+    strip_share = STRIP_PX * len(strip_rows) / plot
+    gap = GAP / plot
     if 0 < prompt_len < seq_len:
         boundary = prompt_len / max(chunk_size, 1) - 0.5
         shapes = shapes + [{"type": "line", "xref": "x", "yref": "paper", "x0": boundary, "x1": boundary, "y0": 0,
                             "y1": 1, "line": {"color": "#52606d", "width": 1, "dash": "dot"}}]
         if output_from is not None:
-            band = (1 - strip_share - gap + 4 / (height - 100), 1 - strip_share - 4 / (height - 100))  # in the gap
+            band = (1 - strip_share - gap + 4 / plot, 1 - strip_share - 4 / plot)  # in the gap
             shape, note = _output_marks(output_from, boundary, columns[-1] + width / 2, band)
             shapes, annotations = shapes + [shape], annotations + [note]
     if len(strip_rows) > 1:  # name the two rows at their left
@@ -267,8 +282,8 @@ def _layout(events: Sequence[Event], headline: str, width: int, columns: list[in
                                      for row, name in ((0, "CMR"), (1, "copied"))]
     return base_layout(
         height,
-        title=title(headline),
-        margin={"l": 56, "r": 16, "t": 60, "b": 40},
+        title=title(headline, height),
+        margin={"l": 56, "r": 16, "t": top, "b": MARGIN_B},
         xaxis={"title": {"text": "chunk of the sequence (the prompt, then the output)"},
                "range": [-2.2 * width, columns[-1] + right * width], "anchor": "y2", "zeroline": False, "showgrid": False},
         yaxis={"domain": [1 - strip_share, 1.0], "visible": False, "range": [min(strip_rows) - 0.5, max(strip_rows) + 0.5],
@@ -370,12 +385,15 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
         "hovertext": [f"output after step {r.step}: …{hover_text(decode(tails[r.step]), limit=120)}" for r in shown],
         "hoverinfo": "text", "meta": NEXT_STEP,
     }
+    found = copies(events)
+    strip_rows = (0, 1) if found else (0,)  # lookup's copies, where any were accepted, get a strip row under CMR's
+    height = panel_height(len(shown), len(strip_rows), height and height + STRIP_PX * (len(strip_rows) - 1))
     right, data = 0.5, []
     if latest.scores:  # what each retrieval bought: the draft's own tokens accepted per step it drafted
         right = 3.5
         name = draft_name(events)
         bought = {y.step: y for y in retrieval_yield(events)}
-        every = _label_every(len(shown))
+        every = _label_every(len(shown), heat_pixels(height, len(strip_rows)))
         data.append({"type": "scatter", "mode": "text", "x": [columns[-1] + 2.2 * width] * len(shown),
                      "y": [r.step for r in shown], "yaxis": "y2", "cliponaxis": False, "showlegend": False,
                      "text": [_yield_mark(bought.get(r.step)) if (len(shown) - 1 - i) % every == 0 else ""
@@ -425,8 +443,6 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
                     f"({len(kept)} of {n} chunks{of_output})<br><span style='font-size:12px'>the attention sink plus "
                     "the most recent tokens, whatever the output is about</span>")
 
-    strip_rows: tuple[int, ...] = (0,)
-    found = copies(events)
     if found:  # lookup's copies beside CMR's choice: two kinds of retrieval on one strip
         size = max(latest.chunk_size, 1)
         counts, copy_texts = _copy_row(found, size, n, columns, sequence, decode)
@@ -436,12 +452,9 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
         shapes += _copied_outline(found[-1], size, width)
         total = sum(len(o) for _, o in found)
         headline += f"<br><span style='font-size:12px'>{_copy_headline(found[-1], total, sequence, prompt_len, decode)}</span>"
-        strip_rows = (0, 1)
     layout = _layout(events, headline, width, columns, len(shown), latest.chunk_size, [r.step for r in shown], shapes,
-                     annotations, rows_title="retrieval after step", strip_rows=strip_rows,
-                     height=height and height + 44 * (len(strip_rows) - 1), right=right, output_from=output_from)
-    if len(strip_rows) > 1:
-        layout["margin"]["t"] = 76
+                     annotations, rows_title="retrieval after step", strip_rows=strip_rows, height=height, right=right,
+                     output_from=output_from)
     return {"data": data, "layout": layout}
 
 

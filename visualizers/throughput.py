@@ -19,8 +19,8 @@ from specextend.events import Event
 from specextend.metrics import committed_curve, phase_seconds, summarize, tokens_per_step_by_window
 
 from .common import (
-    Spec, base_layout, by_source_html, color, ending, label, message_spec, method_of, short_label, thinned, title,
-    with_lookup,
+    CHAR_EM, REFERENCE_WIDTH, TITLE_PAD, TITLE_SIZE, Spec, base_layout, by_source_html, color, ending, label,
+    message_spec, method_of, short_label, thinned, title, title_height, with_lookup, wrapped,
 )
 
 PHASE_COLORS = {
@@ -34,6 +34,11 @@ REFERENCES = ("autoregressive", "speculative")  # speedups are read against each
 MAX_POINTS = 500  # the most points a run's tokens-vs-time curve is drawn with
 WINDOW = 16  # the smallest window of output positions the tokens-per-step row averages over (doubled as needed)
 MAX_WINDOWS = 40  # the most windows the longest run's output is cut into
+# the figure in pixels, top down: the title, the runs' legend over the curves, the top row (curves, phases), its axes,
+# the phases' legend under the phases chart, the bottom row's title, the bottom row (tokens per step), its axis
+MARGIN_L, MARGIN_R, MARGIN_B = 56, 16, 48
+TOP_ROW_PX, AXIS_PX, ROW_TITLE_PX, BOTTOM_ROW_PX = 190, 46, 28, 200
+LEGEND_ROW_PX, LEGEND_FONT, SYMBOL_PX = 21, 12, 44  # a legend row; an entry's symbol and the spaces around its text
 
 
 def phase_breakdown(events: Sequence[Event]) -> dict[str, float]:
@@ -48,6 +53,17 @@ def phase_breakdown(events: Sequence[Event]) -> dict[str, float]:
     }
     out["other"] = max(0.0, (curve[-1][0] if curve else 0.0) - sum(out.values()))
     return out
+
+
+def legend_rows(names: Sequence[str], px: float) -> int:
+    """The rows a horizontal legend of these entries takes in `px` pixels (entries laid left to right, wrapped)."""
+    rows, used = 1, 0.0
+    for name in names:
+        entry = SYMBOL_PX + CHAR_EM * LEGEND_FONT * len(name)
+        if used and used + entry > px:
+            rows, used = rows + 1, 0.0
+        used += entry
+    return rows
 
 
 def window_size(output_len: int) -> int:
@@ -121,31 +137,43 @@ def throughput_spec(runs: Mapping[str, Sequence[Event]], at: tuple[str, float, i
         })
     windows = _window_bars(runs, size)
     data += windows + marker
-    row = {"xref": "paper", "yref": "paper", "x": 0.0, "xanchor": "left", "showarrow": False, "font": {"size": 13}}
+    plot_w = REFERENCE_WIDTH - MARGIN_L - MARGIN_R
+    heading = "<br>".join(wrapped("Tokens generated over time (same input, same limit) · where each run spent its time",
+                                  REFERENCE_WIDTH - 2 * TITLE_PAD, TITLE_SIZE))
+    top = title_height(heading) + legend_rows([d["name"] for d in data if d.get("legend") == "legend"], plot_w) * LEGEND_ROW_PX
+    phase_rows = legend_rows(list(PHASE_COLORS), plot_w)
+    plot_px = TOP_ROW_PX + AXIS_PX + phase_rows * LEGEND_ROW_PX + ROW_TITLE_PX + BOTTOM_ROW_PX
+    top_row = [1 - TOP_ROW_PX / plot_px, 1.0]
+    bottom_row = [0.0, BOTTOM_ROW_PX / plot_px]
+    row = {"xref": "paper", "yref": "paper", "x": 0.0, "xanchor": "left", "showarrow": False, "font": {"size": 12}}
     annotations = [
-        {**row, "y": 0.41, "yanchor": "bottom",
-         "text": f"Tokens per step as the output grows (windows of {size} output tokens) · dashed: the target alone, "
-                 "1 token per step"},
+        {**row, "y": bottom_row[1] + 4 / plot_px, "yanchor": "bottom",
+         "text": f"Tokens per step along the output (windows of {size} output tokens) · dashed: the target alone, 1 "
+                 "token per step"},
     ]
     if not windows:
         annotations.append({**row, "x": 0.5, "xanchor": "center", "y": 0.18, "font": {"size": 12, "color": "#52606d"},
                             "text": "race a drafting method beside the target alone to see its tokens per step"})
     layout = base_layout(
-        600,
-        title=title("Tokens generated over time (same input, same limit) · where each run spent its time"),
+        top + plot_px + MARGIN_B,
+        title=title(heading, top + plot_px + MARGIN_B),
         xaxis={"domain": [0, 0.55], "anchor": "y", "title": {"text": "seconds since the request started"},
                "rangemode": "tozero"},
-        yaxis={"domain": [0.62, 1.0], "anchor": "x", "title": {"text": "tokens generated"}, "rangemode": "tozero"},
+        yaxis={"domain": top_row, "anchor": "x", "title": {"text": "tokens generated"}, "rangemode": "tozero"},
         xaxis2={"domain": [0.72, 1.0], "anchor": "y2", "title": {"text": "seconds"}, "rangemode": "tozero"},
-        yaxis2={"domain": [0.62, 1.0], "anchor": "x2", "automargin": True},
+        yaxis2={"domain": top_row, "anchor": "x2"},
         xaxis3={"domain": [0, 1.0], "anchor": "y3", "title": {"text": "output position (tokens generated)"},
                 "range": [0, math.ceil(max(longest, 1) / size) * size]},
-        yaxis3={"domain": [0, 0.38], "anchor": "x3", "title": {"text": "tokens per step"}, "rangemode": "tozero"},
+        yaxis3={"domain": bottom_row, "anchor": "x3", "title": {"text": "tokens per step"}, "rangemode": "tozero"},
         barmode="stack",  # the phases of a run stack; the windows' bars stand side by side (one offsetgroup per run)
         showlegend=True,
-        legend={"x": 0.01, "y": 0.99, "bgcolor": "rgba(255,255,255,0.8)", "traceorder": "normal"},  # the race's order
-        legend2={"orientation": "h", "x": 0.62, "y": 0.5, "xanchor": "left", "yanchor": "top"},
-        margin={"l": 56, "r": 16, "t": 36, "b": 48},
+        # the runs over the curves, outside them (inside, the legend hid a curve); the phases under the top row, from
+        # its right edge; each in the room kept for it (left to push the margins, a legend shrank the plots instead)
+        legend={"orientation": "h", "x": 0.0, "xanchor": "left", "y": 1.0, "yanchor": "bottom",
+                "traceorder": "normal", "font": {"size": LEGEND_FONT}},  # the race's order
+        legend2={"orientation": "h", "x": 1.0, "xanchor": "right", "y": top_row[0] - AXIS_PX / plot_px,
+                 "yanchor": "top", "font": {"size": LEGEND_FONT}},
+        margin={"l": MARGIN_L, "r": MARGIN_R, "t": top, "b": MARGIN_B, "autoexpand": False},
         shapes=shapes,
         annotations=annotations,
     )
