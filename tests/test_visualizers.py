@@ -164,11 +164,41 @@ def test_throughput_has_one_curve_per_method_ending_at_its_token_count():
     windows = [d["name"] for d in spec["data"] if d["type"] == "bar" and d["xaxis"] == "x3"]
     assert windows == ["SpecExtend", "speculative (full draft cache)"]  # the target alone is the dashed 1.0 line
     table = throughput_html(runs)
-    assert table.count("<tr>") == 4 and "speedup vs target alone" in table
-    assert "speedup vs speculative (full draft cache)" in table and table.count("×") == 4  # two per other method
+    assert table.count("<tr>") == 4 and "speedup over the target alone" in table
+    assert "speedup over standard speculative decoding, same draft and sources" in table
+    assert table.split("<table")[1].count("×") == 3  # SpecExtend over both, speculative over the target alone
     assert "busy" not in table and "busy" in throughput_html(runs, load=2.5)
     alone = throughput_html({"specextend": runs["specextend"]})
     assert "speedup" not in alone.split("</thead>")[0] and "×" not in alone
+
+
+def test_the_speed_table_names_what_each_ratio_compares_and_claims_no_unfair_one():
+    from specextend.config import LookupConfig
+    from specextend.metrics import summarize
+
+    on = LookupConfig(enabled=True)
+    fair = {"specextend": trace(lookup=on), "speculative": trace("speculative", lookup=on),
+            "autoregressive": trace("autoregressive")}
+    rate = {m: summarize(ev).e2e_tokens_per_s for m, ev in fair.items()}
+    head, table = throughput_html(fair).split("<table")
+    assert (f"SpecExtend over standard speculative decoding, both with lookup, the same draft model: "
+            f"<b>{rate['specextend'] / rate['speculative']:.2f}×</b>") in head  # the paper's comparison leads
+    assert (f"over the target alone: SpecExtend + lookup <b>{rate['specextend'] / rate['autoregressive']:.2f}×</b>, "
+            f"speculative (full draft cache) + lookup <b>{rate['speculative'] / rate['autoregressive']:.2f}×</b>") in head
+    assert "not comparable" not in table
+    without = {m: trace(m) for m in ("specextend", "speculative")}
+    assert "both without lookup, the same draft model: <b>" in throughput_html(without)
+
+    unfair = {**fair, "speculative": trace("speculative")}  # lookup for SpecExtend only: the race issue 39 found
+    head, table = throughput_html(unfair).split("<table")
+    comparison = head.split(" · ")[0]
+    assert comparison.endswith("SpecExtend over standard speculative decoding, not comparable: SpecExtend drafted with "
+                               "lookup, speculative without")
+    assert "×" not in comparison  # no ratio claimed between them
+    spec_row = next(r for r in table.split("<tr>") if "SpecExtend + lookup" in r)
+    assert spec_row.count("×") == 1 and ">not comparable</span>" in spec_row  # over the target alone only
+    alone = {"lookup": trace("lookup"), "speculative": trace("speculative")}
+    assert "not comparable: lookup drafted from lookup, speculative from the draft model" in throughput_html(alone)
 
 
 def test_output_html_colours_accepted_draft_tokens_and_escapes_text():

@@ -5,8 +5,9 @@ Top left: one curve per method (flat at first while the prefill runs), at most M
 per-phase time of each run (prefill, drafting, verification, retrieval, the rest). Below: tokens committed per step
 in windows of output positions, one bar per drafting method and window, so a long output shows standard speculative
 decoding slowing as its draft reads ever more context and CMR holding up. ``throughput_html`` reads out tokens/s
-and the speedup over the target alone (or, failing that, standard speculative decoding). Knows events and metrics;
-no gradio, no models.
+and the speedups, each named by what it compares: over the target alone, and over standard speculative decoding only
+where both runs drafted from the same sources (the same draft, lookup in both or neither: what the runs' Started
+events say). Knows events and metrics; no gradio, no models.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from specextend.events import Event
 from specextend.metrics import committed_curve, phase_seconds, summarize, tokens_per_step_by_window
 
 from .common import (
-    CHAR_EM, REFERENCE_WIDTH, TITLE_PAD, TITLE_SIZE, Spec, base_layout, by_source_html, color, ending, label,
-    message_spec, method_of, short_label, thinned, title, title_height, with_lookup, wrapped,
+    CHAR_EM, REFERENCE_WIDTH, TITLE_PAD, TITLE_SIZE, Spec, base_layout, by_source_html, color, draft_name, ending,
+    has_draft, label, lookup_on, message_spec, method_of, short_label, thinned, title, title_height, with_lookup,
+    wrapped,
 )
 
 PHASE_COLORS = {
@@ -31,6 +33,8 @@ PHASE_COLORS = {
     "other": "#e9ecef",
 }
 REFERENCES = ("autoregressive", "speculative")  # speedups are read against each of these that ran
+COMPARES = {"autoregressive": "speedup over the target alone",
+            "speculative": "speedup over standard speculative decoding, same draft and sources"}
 MAX_POINTS = 500  # the most points a run's tokens-vs-time curve is drawn with
 WINDOW = 16  # the smallest window of output positions the tokens-per-step row averages over (doubled as needed)
 MAX_WINDOWS = 40  # the most windows the longest run's output is cut into
@@ -180,9 +184,53 @@ def throughput_spec(runs: Mapping[str, Sequence[Event]], at: tuple[str, float, i
     return {"data": data, "layout": layout}
 
 
+def sources(events: Sequence[Event]) -> tuple[str, bool]:
+    """What a run drafted from, as its Started event says: its draft ("draft model", "EAGLE head"...; "" for none) and
+    whether lookup added copies."""
+    return (draft_name(events) if has_draft(events) else "", lookup_on(events))
+
+
+def sources_words(events: Sequence[Event]) -> str:
+    """What a run drafted from, in words ("the draft model and lookup", "lookup", "nothing" for the target alone)."""
+    draft, lookup = sources(events)
+    return " and ".join([f"the {draft}"] * bool(draft) + ["lookup"] * lookup) or "nothing"
+
+
+def like_for_like(runs: Mapping[str, Sequence[Event]], method: str, reference: str) -> tuple[bool, str]:
+    """Whether two runs drafted from the same sources (the same draft; lookup in both or in neither), so that their
+    speeds compare what differs between the methods alone; and in words: "both with lookup, the same draft model", or
+    "not comparable: SpecExtend drafted with lookup, speculative without"."""
+    (draft, lookup), (ref_draft, ref_lookup) = sources(runs[method]), sources(runs[reference])
+    if (draft, lookup) == (ref_draft, ref_lookup):
+        return True, f"both {'with' if lookup else 'without'} lookup" + (f", the same {draft}" if draft else "")
+    name, ref_name = short_label(method), short_label(reference)
+    if draft == ref_draft:
+        return False, (f"not comparable: {name} drafted {'with' if lookup else 'without'} lookup, {ref_name} "
+                       f"{'with' if ref_lookup else 'without'}")
+    return False, (f"not comparable: {name} drafted from {sources_words(runs[method])}, {ref_name} from "
+                   f"{sources_words(runs[reference])}")
+
+
+def speedup_headline(runs: Mapping[str, Sequence[Event]], rates: Mapping[str, float]) -> str:
+    """The race's headline, in words: SpecExtend over standard speculative decoding where both drafted from the same
+    sources (the paper's comparison), beside each method over the target alone. `rates`: end-to-end tokens/s by
+    method (the runs that made any)."""
+    parts = []
+    if "specextend" in rates and "speculative" in rates:
+        same, words = like_for_like(runs, "specextend", "speculative")
+        ratio = f": <b>{rates['specextend'] / rates['speculative']:.2f}×</b>" if same else ""
+        parts.append(f"SpecExtend over standard speculative decoding, {html.escape(words)}{ratio}")
+    if "autoregressive" in rates:
+        over = [f"{html.escape(with_lookup(runs[m], label(m)))} <b>{rate / rates['autoregressive']:.2f}×</b>"
+                for m, rate in rates.items() if m != "autoregressive"]
+        parts += [f"over the target alone: {', '.join(over)}"] if over else []
+    return f"<div>Speedup, end to end: {' · '.join(parts)}</div>" if parts else ""
+
+
 def throughput_html(runs: Mapping[str, Sequence[Event]], load: float | None = None) -> str:
-    """A table of tokens, time and tokens/s per run, with the speedup against each reference that ran (the target
-    alone, standard speculative decoding), and a note on how far one run's timings can be trusted. `load`: the
+    """The race's headline (`speedup_headline`) over a table of tokens, time and tokens/s per run, with the speedup
+    against each reference that ran (the target alone; standard speculative decoding where the run drafted from the
+    same sources, else "not comparable"), and a note on how far one run's timings can be trusted. `load`: the
     machine's load per core while it ran, when known (above 1, runs waited for a core)."""
     summaries = {m: summarize(ev) for m, ev in runs.items() if ev}
     if not summaries:
@@ -190,22 +238,35 @@ def throughput_html(runs: Mapping[str, Sequence[Event]], load: float | None = No
     references = [m for m in REFERENCES if m in summaries and summaries[m].e2e_tokens_per_s > 0]
     rows = []
     for method, s in summaries.items():
-        cells = "".join(
-            f"<td><b>{s.e2e_tokens_per_s / summaries[r].e2e_tokens_per_s:.2f}×</b></td>"
-            if r != method and s.e2e_tokens_per_s > 0 else "<td></td>" for r in references)
+        cells = "".join(_speedup_cell(runs, method, r, s.e2e_tokens_per_s / summaries[r].e2e_tokens_per_s)
+                        if r != method and s.e2e_tokens_per_s > 0 else "<td></td>" for r in references)
         rows.append(
             f"<tr><td><span style='color:{color(method)}'>■</span> {html.escape(with_lookup(runs[method], label(method)))}</td>"
             f"<td>{html.escape(ending(runs[method]))}</td><td>{s.new_tokens}</td><td>{s.total_s:.2f} s</td>"
             f"<td><b>{s.e2e_tokens_per_s:.1f}</b></td><td>{s.decode_tokens_per_s:.1f}</td>"
             f"<td>{s.mean_accepted:.2f}{by_source_html(runs[method])}</td>{cells}</tr>"
         )
-    heads = "".join(f"<th>speedup vs {html.escape(label(r))}</th>" for r in references)
+    heads = "".join(f"<th>{html.escape(COMPARES[r])}</th>" for r in references)
     note = ("Speedups are end to end (prefill included) from one run of each method on the same input; on a shared "
             "machine a single run can be off by 10% or more.")
     if load is not None and load > 1.0:
         note += f" The machine was busy while this ran (load {load:.1f} per core): expect more noise than that."
+    rates = {m: s.e2e_tokens_per_s for m, s in summaries.items() if s.e2e_tokens_per_s > 0}
     return (
-        "<table class='se-table'><thead><tr><th>method</th><th>status</th><th>tokens</th><th>time</th>"
-        "<th>tokens/s (incl. prefill)</th><th>decode tokens/s</th><th>tokens per step, by who proposed them</th>"
+        f"{speedup_headline(runs, rates)}<table class='se-table'><thead><tr><th>method</th><th>status</th>"
+        "<th>tokens</th><th>time</th><th>tokens/s (incl. prefill)</th><th>decode tokens/s</th>"
+        "<th>tokens per step, by who proposed them</th>"
         f"{heads}</tr></thead><tbody>{''.join(rows)}</tbody></table><div class='se-muted'>{html.escape(note)}</div>"
     )
+
+
+def _speedup_cell(runs: Mapping[str, Sequence[Event]], method: str, reference: str, ratio: float) -> str:
+    """A table cell: `method`'s speedup over `reference`; over standard speculative decoding, where the two drafted
+    from other sources, why it is not comparable (the target alone, which drafts nothing, is left blank there)."""
+    if reference == "speculative" and method == "autoregressive":
+        return "<td></td>"
+    if reference == "speculative":
+        same, words = like_for_like(runs, method, reference)
+        if not same:
+            return f"<td><span class='se-muted' title='{html.escape(words, quote=True)}'>not comparable</span></td>"
+    return f"<td><b>{ratio:.2f}×</b></td>"
