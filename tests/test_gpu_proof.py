@@ -1,6 +1,8 @@
 """The prepared GPU proof's CPU run: `bash scripts/gpu_proof.sh --quick` runs every part in tiny shapes and leaves a
 summary and an archive holding what each part wrote, so the script cannot rot before a GPU runs it; a part that the
-deadline leaves no time for is skipped and fails the run (after the preflight, nothing else runs)."""
+deadline leaves no time for is skipped and fails the run (after the preflight, nothing else runs). Its soak part is
+the suite's run of `python -m app.soak --shrink` (the real engine through the app, A -> B -> A): its report is checked
+here, not run a second time."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from app.preset_check import SHAPES
+from app.soak import PAIRS as PAIRS_VISITED
 
 pytestmark = pytest.mark.soak  # about a minute and a half on a quiet 2-core CPU
 
@@ -59,8 +62,14 @@ def test_the_quick_proof_runs_every_part_and_keeps_what_each_wrote(tmp_path):
     assert [r["preset"] for r in presets] == list(SHAPES) and all(r["outputs_agree"] for r in presets)
     (long,) = json.loads((parts / "long" / "preset_check.json").read_text())
     assert long["workload"] == "long_output" and set(long["new_tokens"].values()) == {32}
+    # the shrunk soak: the real engine through the app's run handler, pair A -> B -> A, every check passing
     soak = json.loads((parts / "soak" / "soak.json").read_text())
-    assert soak["runs_done"] == 12 and all(c["ok"] for c in soak["checks"])
+    assert soak["runs_done"] == 12 and soak["device"] == "cpu" and all(c["ok"] for c in soak["checks"]), soak["checks"]
+    assert [r["pair"] for r in soak["readings"]] == [PAIRS_VISITED[0]] * 4 + [PAIRS_VISITED[1]] * 4 + [PAIRS_VISITED[0]] * 4
+    assert all(r["rss_mib"] > 0 and r["models"] > 0 and r["cuda_allocated_mib"] is None for r in soak["readings"])
+    assert soak["checks"][-1]["check"] == f"visit 3 ({PAIRS_VISITED[0]}): settles where its first visit did"
+    table = (parts / "soak" / "soak.md").read_text()
+    assert "| run | visit | pair |" in table and "| cyclic_mib |" in table
 
 
 def test_a_part_the_deadline_leaves_no_time_for_is_skipped_and_fails_the_run(tmp_path):
