@@ -166,7 +166,7 @@ def factory_for(shrink: bool, device: torch.device, dtype: torch.dtype, timings:
     return factory
 
 
-RACE = ("specextend", "speculative", "autoregressive")  # a click's race: SpecExtend (with lookup) first
+RACE = ("specextend", "speculative", "autoregressive")  # a click's race: SpecExtend first; the drafting runs with lookup
 
 
 def device_dtype() -> tuple[torch.device, torch.dtype]:

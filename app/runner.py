@@ -41,7 +41,7 @@ class Knobs:
     node_budget: int = 12
     temperature: float = 0.0
     seed: int = 0
-    lookup: bool = True  # add lookup branches to the draft model's tree (the main run only; lookup alone has them)
+    lookup: bool = True  # add lookup branches to every drafting method's tree in a click (lookup alone has them)
     signal: str = "default"  # CMR's retrieval signal by name (config.SIGNAL_NAMES)
 
 

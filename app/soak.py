@@ -2,9 +2,9 @@
 the app's own run handler (`Studio.run`), on random-init pairs in preset shapes built as app/preset_check.py builds
 them, with the pair switched `--switches` times (A -> B -> A by default: each switch frees the last pair first).
 
-Every run is the same click (a race of SpecExtend with lookup, speculative decoding and the target alone, greedy, on one
-document), so after a warm-up nothing a run keeps should grow. After each run, once its thread has returned, it
-reads host resident memory and CUDA memory allocated and reserved as the run left them; then the tensors that only
+Every run is the same click (a race of SpecExtend and speculative decoding, both with lookup, and the target alone,
+greedy, on one document), so after a warm-up nothing a run keeps should grow. After each run, once its thread has
+returned, it reads host resident memory and CUDA memory allocated and reserved as the run left them; then the tensors that only
 reference cycles held (a server frees those at the cyclic collector's next full pass, maybe many requests later: a KV
 cache in a cycle holds its memory meanwhile), freeing them; then counts what is alive: models, tokenizers, and step
 runners (`specextend.steps.StepRunner`: on CUDA, those kept between requests and any a run failed to hand back; none

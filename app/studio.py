@@ -209,8 +209,10 @@ class Studio(Stepping):
             self.check_input(loaded, prompt)
             return loaded.codec, prompt, loaded.max_positions, loaded.click()
 
-        def configs(m: str, codec) -> GenerationConfig:  # the race runs the plain methods it names
-            return build_config(m, knobs, codec.eos_ids, self.settings.max_new_tokens, lookup=m == method)
+        def configs(m: str, codec) -> GenerationConfig:  # a fair race: every drafting method drafts from the same
+            # sources (the pair's draft, and lookup in all of them or in none), so a ratio between two of them is what
+            # the methods alone make of those sources (the paper's comparison)
+            return build_config(m, knobs, codec.eos_ids, self.settings.max_new_tokens, lookup=True)
 
         state.job = Job(methods, configs, prepare).start()
         self.generations.append(state.job)

@@ -60,8 +60,11 @@ target is paying attention to right now (Cross-model Retrieval, CMR), and uses f
 
 Pick a sample document (or paste or upload one), press **Run**, and watch: **①** the text as it is written,
 **②** which chunks the draft reads, **③** which of its guesses the target keeps, **④** the speed against
-standard speculative decoding and the target alone. Or choose **long output**: a short prompt and thousands of new
-tokens, where the sequence grows by generation and CMR reads back what the model wrote itself.
+standard speculative decoding and the target alone. The race is fair by construction: every method that drafts uses
+the same draft and the same sources (with lookup ticked, all of them copy with lookup too), so SpecExtend over
+standard speculative decoding is what CMR and the faster kernels buy, as in the paper. Or choose **long output**: a
+short prompt and thousands of new tokens, where the sequence grows by generation and CMR reads back what the model
+wrote itself.
 """
 
 METHOD_CHOICES = [(m.choice, m.name) for m in reversed(METHOD_TABLE)]  # SpecExtend first, the target alone last
@@ -195,9 +198,12 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
                         method = gr.Radio(label="Method", choices=METHOD_CHOICES, value="specextend", elem_id="method")
                         lookup = gr.Checkbox(k.lookup, label="add lookup drafting: copy what followed the newest words "
                                              "where they occurred before", elem_id="lookup",
-                                             info="for the draft-model methods: its copies join the draft's guesses "
-                                                  "in one tree, checked in the same target pass")
-                        race = gr.CheckboxGroup(label="Race on the same input, after the main run", choices=RACE_CHOICES,
+                                             info="for every method that drafts, in the main run and in the race "
+                                                  "alike (a fair race): its copies join the draft's guesses in one "
+                                                  "tree, checked in the same target pass. Untick it to compare the "
+                                                  "methods on the draft alone")
+                        race = gr.CheckboxGroup(label="Race on the same input, after the main run: the same draft "
+                                                "and the same sources (lookup as ticked above)", choices=RACE_CHOICES,
                                                 value=["speculative", "autoregressive"], elem_id="race")
                         # string values: gradio's API schema describes a Radio's values as strings, so the API
                         # takes them as its schema says

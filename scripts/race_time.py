@@ -29,7 +29,7 @@ def race(loaded, prompt, shared: bool, bf16_prefill: str = "auto") -> dict:
     generate = loaded.for_click() if shared else loaded.generate
 
     def configs(method, codec):
-        config = build_config(method, Knobs(), codec.eos_ids, lookup=method == METHODS[0])
+        config = build_config(method, Knobs(), codec.eos_ids, lookup=True)  # as the page: lookup in every drafting run
         return config.replace(attention=replace(config.attention, bf16_prefill=bf16_prefill))
 
     began = time.perf_counter()
