@@ -56,7 +56,7 @@ def cmr_run(llama_pair):
 def test_greedy_output_over_a_long_generation_is_the_targets_own(llama_pair, cmr_run):
     prompt, events, _, _ = cmr_run
     out = list(events[-1].token_ids)
-    assert len(out) == NEW and out == reference_greedy(llama_pair.target, prompt, NEW)
+    assert len(out) == NEW and out == reference_greedy(llama_pair.target, prompt, NEW, cached=True)
 
 
 def test_the_working_cache_stays_within_its_budget_while_the_sequence_grows(cmr_run):
@@ -123,4 +123,4 @@ def test_with_lookup_every_retrieval_reads_the_whole_sequence_even_after_the_dra
         v = steps[r.step]
         assert r.seq_len >= PROMPT_LEN + v.total_new - len(v.committed) - 1, (r.step, r.seq_len, v.total_new)
         assert not drafts[r.step].sat_out  # a retrieval comes right after a step the draft drafted in
-    assert events[-1].token_ids == tuple(reference_greedy(bigram_pair.target, prompt, 600))
+    assert events[-1].token_ids == tuple(reference_greedy(bigram_pair.target, prompt, 600, cached=True))
