@@ -367,6 +367,8 @@ def specextend_attention(module, query, key, value, attention_mask, dropout=0.0,
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scale, **kwargs)
     if plan.capture is not None and module.layer_idx in plan.capture.layers:
         plan.capture.queries[module.layer_idx] = query
+    dtype = query.dtype  # a cache kept in another dtype (numerics "bf16-kv") is attended in its dtype
+    query = query.to(key.dtype)
     if plan.kind == "prefill":
         out = prefill_attention(query, key, value, plan.window, plan.kernel, scale)
     elif plan.kind == "static":
@@ -375,7 +377,7 @@ def specextend_attention(module, query, key, value, attention_mask, dropout=0.0,
         out = F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=True)
     else:
         out = tree_attention(plan.kernel, module, query, key, value, plan.tree_mask, scale)
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).to(dtype).contiguous(), None
 
 
 AttentionInterface.register(IMPLEMENTATION, specextend_attention)

@@ -62,8 +62,8 @@ class BufferLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self.static is not None:
             slots, bucket = self.static
-            self.keys.index_copy_(2, slots, key_states)
-            self.values.index_copy_(2, slots, value_states)
+            self.keys.index_copy_(2, slots, key_states.to(self.keys.dtype))
+            self.values.index_copy_(2, slots, value_states.to(self.values.dtype))
             return self.keys[:, :, :bucket], self.values[:, :, :bucket]
         self.write(self.length, key_states, value_states)
         return self.filled()
@@ -112,6 +112,7 @@ class KVCache(Cache):
             self.groups[-1].count += 1
         super().__init__(layers=[BufferLayer(self, g) for g in self.groups for _ in range(g.count)])
         self.rope_positions = torch.zeros(0, dtype=torch.long)
+        self.dtype: torch.dtype | None = None  # what the buffers keep when set (numerics.kv_dtype), else the keys' dtype
 
     @property
     def length(self) -> int:
@@ -124,6 +125,7 @@ class KVCache(Cache):
         under a -inf mask, and NaN * 0 is NaN."""
         batch, heads, _, dim = keys.shape
         size = max(self.capacity, tokens, 16)
+        dtype = self.dtype or dtype
         group.keys = keys.new_zeros((group.count, batch, heads, size, dim), dtype=dtype or keys.dtype)
         group.values = values.new_zeros((group.count, batch, heads, size, values.shape[-1]), dtype=dtype or values.dtype)
         self._point(group)

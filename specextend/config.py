@@ -20,6 +20,7 @@ PrefillKernel = Literal["fused", "eager"]
 VerifyKernel = Literal["hybrid", "onecall", "masked", "auto"]
 StepMode = Literal["auto", "eager", "static", "captured"]
 Bf16Prefill = Literal["auto", "on", "off"]
+Numerics = Literal["fp32", "bf16", "bf16-kv"]  # the target's products and KV cache on the CPU (numerics.py)
 
 
 MAX_DRAFT = 256  # the most draft tokens (and tree levels, branches, children) one step may have: a verification
@@ -263,8 +264,13 @@ class AttentionConfig:
     # the target reads the prompt in bfloat16 when its dtype is float32: on; off; auto: where that measured faster on
     # this machine (models.prefill_dtype). Decoding keeps the model's dtype; the KV cache is handed over in it
     bf16_prefill: Bf16Prefill = "auto"
+    # the target's numerics on the CPU (numerics.py): fp32; bf16 (packed bf16 weights, fp32 between products);
+    # bf16-kv (and the KV cache in bf16). In bf16 settings the prompt is read in them too (bf16_prefill does not apply)
+    numerics: Numerics = "fp32"
 
     def __post_init__(self) -> None:
+        if self.numerics not in ("fp32", "bf16", "bf16-kv"):
+            raise ValueError(f"numerics must be 'fp32', 'bf16' or 'bf16-kv', got {self.numerics!r}")
         if self.bf16_prefill not in ("auto", "on", "off"):
             raise ValueError(f"bf16 prefill must be 'auto', 'on' or 'off', got {self.bf16_prefill!r}")
         if self.prefill not in ("fused", "eager"):

@@ -16,6 +16,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from . import numerics
 from .attention import AttentionPlan, Capture
 from .cache import KVCache
 from .config import GenerationConfig, RetrievalSignal
@@ -136,11 +137,12 @@ class Target:
 
     def __init__(self, model, config: GenerationConfig, capacity: int, signal: RetrievalSignal | None = None,
                  features: FeatureRows | None = None) -> None:
-        self.model = model
+        self.model = numerics.apply(model, config.attention.numerics)
         self.kernels = config.attention
         # verification forwards: one token (autoregressive) or padded to the fixed tree budget
         self.runner = make_runner(model, capacity, config.attention.steps, config.tree_budget + 1, fixed=True)
         self.cache = self.runner.cache
+        self.cache.dtype = numerics.kv_dtype(config.attention.numerics)
         self.scale = final_layer(model)[1]
         self.window = None
         self.features = features
@@ -159,8 +161,10 @@ class Target:
         self.capture = Capture(layers, streams) if layers or streams else None
         self.base = 0  # cache slots before the latest verified root
         self.shared_s: float | None = None  # a prefill copied from SharedPrefill: the seconds the original took
-        self.read: tuple | None = None  # (prompt, prefill kernel, dtype) once this target has read a whole prompt
-        self.prefill_dtype = prefill_dtype(model, config.attention.bf16_prefill)  # what the prompt is read in
+        self.read: tuple | None = None  # (prompt, prefill kernel, dtype, numerics) once this target has read a whole prompt
+        # what the prompt is read in: a bf16 numerics setting reads it in its own products, with no copy of the model
+        bf16_prefill = config.attention.bf16_prefill if config.attention.numerics == "fp32" else "off"
+        self.prefill_dtype = prefill_dtype(model, bf16_prefill)
 
     def prefill(self, prompt: list[int], stop, shared: SharedPrefill | None = None) -> Iterator[int]:
         """Read the prompt in blocks; the last block's logits are kept for the first token. With `shared`, copy a
@@ -168,7 +172,7 @@ class Target:
         model's (bf16 for an fp32 model, `models.prefill_dtype`), a copy of the model in that dtype reads the prompt
         into a cache of its own, handed over in the model's dtype, as are the queries and streams it captured: decoding
         then runs as after any prefill."""
-        key = (tuple(prompt), self.kernels.prefill, self.prefill_dtype)
+        key = (tuple(prompt), self.kernels.prefill, self.prefill_dtype, self.kernels.numerics)
         streams = self.features.streams if self.features is not None else ()
         if shared is not None and shared.serves(key, self.window, streams):
             self.cache.replace(shared.kv, shared.rope_positions)

@@ -1,0 +1,85 @@
+"""Numerics: the precision a model's products and KV cache run in on the CPU, as a named setting.
+
+- "fp32": every weight, product and cached key in fp32, as loaded (the reference).
+- "bf16": each Linear's weight held a second time in bf16, in oneDNN's packed layout (what Inductor's CPU freezing
+  hands `mkldnn._linear_pointwise`); a product rounds its input to bf16, accumulates in fp32 inside the kernel, and
+  rounds its output to bf16, handed back in the input's dtype. Norms, RoPE, attention, the residual stream and the
+  KV cache stay fp32. A step reads half the weight bytes. The packed kernel gave the same bits for a row whether it
+  ran alone or among 4-32 rows at the bundled target's shapes (fp32 GEMMs did not): the 576->1536->576 MLP's
+  down-projection over 32 rows was the one exception measured (`kernel_bench --roofline` checks it).
+- "bf16-kv": "bf16" and the KV cache in bf16: keys and values are rounded as they are written, and attention runs
+  its query rounded to bf16 over them (the cache is the larger half of a step's bytes at 7.5K tokens).
+
+`apply(model, setting)` switches a loaded model in place (idempotent; a model packed once keeps its packed weights
+when switched back to fp32, so a race's methods switch for free); `kv_dtype(setting)` is the dtype its cache keeps.
+Only CPU models are packed: elsewhere every setting runs as loaded.
+Knows modules and CPU kernels; knows nothing of drafting, verification or retrieval.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .models import SkinnyLinear
+
+NUMERICS = ("fp32", "bf16", "bf16-kv")
+# module -> (its weight's version, packed weight, bf16 bias): kept beside the module, not in it, so that a copy of a
+# model (a bf16 prefill's, models.reduced_copy) does not copy packed weights it never uses
+_PACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def check(setting: str) -> str:
+    if setting not in NUMERICS:
+        raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}; got {setting!r}")
+    return setting
+
+
+def packs_here() -> bool:
+    """Whether this CPU build runs oneDNN's bf16 products (AVX-512 BF16 or AMX; emulated ones are far slower)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def kv_dtype(setting: str) -> torch.dtype | None:
+    """The dtype a model's KV cache keeps in `setting` (None: the dtype its keys come in)."""
+    return torch.bfloat16 if check(setting) == "bf16-kv" else None
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """A (out, in) weight in bf16, reordered into oneDNN's packed layout for `mkldnn._linear_pointwise`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16), None)
+
+
+class PackedLinear(SkinnyLinear):
+    """A Linear whose product runs over its packed bf16 weight while `packed` is set (`apply`), else as a
+    SkinnyLinear. Its parameters, their names and ties are unchanged (the fp32 weight stays the reference)."""
+
+    packed: torch.Tensor | None = None
+    packed_bias: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None or x.device.type != "cpu":
+            return super().forward(x)
+        out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.packed, self.packed_bias, "none", [], "")
+        return out.to(x.dtype)  # (..., out)
+
+
+def apply(model: torch.nn.Module, setting: str) -> torch.nn.Module:
+    """Switch `model`'s Linears (on the CPU) to `setting`'s products, in place; returns the model."""
+    bf16 = check(setting) != "fp32" and packs_here()
+    for module in model.modules():
+        if not isinstance(module, torch.nn.Linear) or module.weight.device.type != "cpu":
+            continue
+        if not bf16:
+            if isinstance(module, PackedLinear):
+                module.__class__ = SkinnyLinear
+                del module.packed, module.packed_bias
+            continue
+        kept = _PACKS.get(module)
+        if kept is None or kept[0] != module.weight._version:
+            bias = None if module.bias is None else module.bias.detach().to(torch.bfloat16)
+            _PACKS[module] = kept = (module.weight._version, pack(module.weight), bias)
+        module.__class__ = PackedLinear
+        module.packed, module.packed_bias = kept[1], kept[2]
+    return model

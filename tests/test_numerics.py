@@ -1,0 +1,86 @@
+"""Numerics settings (specextend/numerics.py): packed bf16 products and a bf16 KV cache keep every method's greedy
+output equal to the target alone in the same numerics; fp32 comes back exactly as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import VOCAB, tiny
+from specextend import numerics
+from specextend.config import AttentionConfig, DraftConfig, RetrievalConfig, preset
+from specextend.engine import generate
+from specextend.models import SkinnyLinear, make_pair
+
+pytestmark = pytest.mark.skipif(not numerics.packs_here(), reason="this CPU runs no oneDNN bf16 products")
+N_NEW = 20
+RETRIEVAL = RetrievalConfig(chunk_size=16, top_k=3, retrieve_every=2, prefill_window=32)
+
+
+@pytest.fixture(scope="module")
+def pair():  # its own pair: the numerics switch a model in place
+    return make_pair(tiny("llama", layers=3, seed=11), tiny("llama", layers=1, hidden=32, heads=2, kv_heads=1, seed=12))
+
+
+def greedy(pair, prompt, method: str, setting: str, **kw) -> list[int]:
+    config = preset(method, max_new_tokens=N_NEW, retrieval=RETRIEVAL, attention=AttentionConfig(numerics=setting, **kw))
+    return list(list(generate(pair, prompt, config))[-1].token_ids)
+
+
+def test_packed_linear_is_a_bf16_product_and_fp32_comes_back(pair):
+    linear = pair.target.model.layers[0].mlp.up_proj
+    weight = linear.weight
+    x = torch.randn(5, linear.in_features)
+    before = linear(x)
+    numerics.apply(pair.target, "bf16")
+    assert type(linear) is numerics.PackedLinear and linear.weight is weight  # parameters (and ties) untouched
+    packed = linear.packed
+    ref = F.linear(x.bfloat16().float(), weight.bfloat16().float())
+    out = linear(x)
+    assert out.dtype == torch.float32 and not torch.equal(out, before)
+    assert torch.allclose(out, ref, rtol=1e-2, atol=1e-2)
+    numerics.apply(pair.target, "bf16")
+    assert linear.packed is packed  # packed once per model
+    numerics.apply(pair.target, "fp32")
+    assert type(linear) is SkinnyLinear and torch.equal(linear(x), before)
+
+
+def test_kv_cache_in_bf16(pair):
+    from specextend.target import Target
+
+    prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    target = Target(pair.target, preset("autoregressive", attention=AttentionConfig(numerics="bf16-kv")), 64)
+    list(target.prefill(prompt, None))
+    assert target.cache.groups[0].keys.dtype == torch.bfloat16 and target.cache.length == 40
+    assert numerics.kv_dtype("bf16") is None and numerics.kv_dtype("fp32") is None
+    numerics.apply(pair.target, "fp32")
+
+
+@pytest.mark.parametrize("setting", ["bf16", "bf16-kv"])
+@pytest.mark.parametrize("prompt_len", [9, 150])
+def test_every_method_equals_the_target_alone_in_its_numerics(pair, setting, prompt_len):
+    prompt = torch.randint(0, VOCAB, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len)).tolist()
+    alone = greedy(pair, prompt, "autoregressive", setting)
+    fp32 = greedy(pair, prompt, "autoregressive", "fp32")
+    assert len(alone) == N_NEW
+    for method in ("speculative", "streaming", "specextend", "lookup"):
+        for shape in ("chain", "tree"):
+            config = preset(method, max_new_tokens=N_NEW, retrieval=RETRIEVAL, draft=DraftConfig(shape=shape),
+                            attention=AttentionConfig(numerics=setting, verify="auto"))
+            assert list(list(generate(pair, prompt, config))[-1].token_ids) == alone, (setting, method, shape)
+    assert greedy(pair, prompt, "autoregressive", "fp32") == fp32  # fp32 after a bf16 run: as before it
+
+
+def test_static_steps_in_bf16_kv(pair):
+    prompt = torch.randint(0, VOCAB, (77,), generator=torch.Generator().manual_seed(5)).tolist()
+    alone = greedy(pair, prompt, "autoregressive", "bf16-kv")
+    assert greedy(pair, prompt, "specextend", "bf16-kv", steps="static") == alone
+    numerics.apply(pair.target, "fp32")
+
+
+def test_bad_numerics_is_refused():
+    with pytest.raises(ValueError, match="numerics"):
+        AttentionConfig(numerics="int3")
+    with pytest.raises(ValueError, match="numerics"):
+        numerics.kv_dtype("fp16")
