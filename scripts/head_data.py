@@ -1,0 +1,255 @@
+"""What the EAGLE-3 head learns from, stored as token ids only: the target's streams and labels are never stored.
+
+- The corpus: the training text of scripts/pd_corpus.py (its one exclusion of the bundled documents), tokenized once
+  and kept as uint16 ids (`corpus.npy`), cut in blocks of BLOCK tokens; every HELD_EVERY-th block is held out of
+  training for the curve. `pd_corpus.check_disjoint` refuses a corpus holding a line of any document that figures
+  are reported on.
+- Chat requests: a passage of the corpus and one of TASKS (summarize, answer a question about, continue, explain,
+  list), written by the target's chat template; the target's own greedy answers, generated in left-padded batches,
+  are kept as ids in resumable shards (`answers/part-NNNNNN.pt`, one request index range each; `held/` for the
+  held-out requests). Request i is a pure function of (seed, i), so a run that stops resumes at the next index.
+- The stream training reads: item k is a chat (prompt + answer) or a plain window of the corpus (each window once
+  per epoch, in a seeded order), by a fixed share; `Position` says how far it has got, for a checkpoint.
+Knows token ids, the corpus, shards and the target's `generate`; knows nothing of the head, its features or its loss.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+BLOCK = 4096  # corpus tokens per block; a window or a passage never crosses a block's end
+HELD_EVERY = 50  # block b is held out when b % HELD_EVERY == HELD_PHASE
+HELD_PHASE = 7
+TASKS = {  # the requests the target answers, by kind
+    "summarize": ("Summarize the text above in a few sentences.", "Write a short summary of the passage above."),
+    "question": ("What is the passage above about? Answer briefly.", "Who speaks or acts in the text above, and why?",
+                 "What does the author of the text above want the reader to believe?"),
+    "continue": ("Continue the text above for a few sentences, in the same style.",),
+    "explain": ("Explain the text above in plain modern English.", "Explain the hardest sentence of the passage above."),
+    "list": ("List the main points of the text above.", "List the people, places and things named in the text above."),
+}
+INSTRUCTIONS = tuple(t for kind in TASKS.values() for t in kind)
+
+# a prompt maker: (passage ids, instruction) -> the request's ids; the real one writes the target's chat template
+Prompter = Callable[[list[int], str], list[int]]
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """The training text's tokens in order, cut in blocks; `held[b]`: block b is held out (the curve's text)."""
+
+    ids: np.ndarray  # (N,) uint16
+
+    @property
+    def blocks(self) -> int:
+        return len(self.ids) // BLOCK
+
+    def is_held(self, block: int) -> bool:
+        return block % HELD_EVERY == HELD_PHASE
+
+    def windows(self, length: int, held: bool) -> list[int]:
+        """Start offsets of the non-overlapping windows of `length` inside the blocks of one split, in order."""
+        per = BLOCK // length
+        return [b * BLOCK + i * length for b in range(self.blocks) if self.is_held(b) == held for i in range(per)]
+
+    def passage(self, rng: random.Random, length: int, held: bool) -> list[int]:
+        """A random run of `length` tokens inside one block of the split."""
+        blocks = [b for b in range(self.blocks) if self.is_held(b) == held]
+        b = blocks[rng.randrange(len(blocks))]
+        start = b * BLOCK + rng.randrange(BLOCK - length + 1)
+        return self.ids[start:start + length].tolist()
+
+
+def tokenize_corpus(tokenizer, sources: Sequence[str] = ("shakespeare", "sotu")) -> np.ndarray:
+    """pd_corpus's training text of `sources`, checked against every document figures are reported on: (N,) uint16."""
+    from scripts import pd_corpus
+
+    texts = [t for s in sources for t in pd_corpus.SOURCES[s]()]
+    pd_corpus.check_disjoint(texts)
+    ids: list[int] = []
+    for _, text in texts:
+        ids += tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(tokenizer) > 1 << 16:
+        raise ValueError(f"a vocabulary of {len(tokenizer)} ids does not fit uint16")
+    return np.asarray(ids, dtype=np.uint16)
+
+
+def load_corpus(folder: Path, tokenizer=None) -> Corpus:
+    """The corpus kept in `folder` (corpus.npy), tokenized with `tokenizer` the first time."""
+    path = folder / "corpus.npy"
+    if not path.is_file():
+        if tokenizer is None:
+            raise FileNotFoundError(f"{path} is missing and no tokenizer was given to build it")
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp.npy")
+        np.save(tmp, tokenize_corpus(tokenizer))
+        os.replace(tmp, path)
+    return Corpus(np.load(path))
+
+
+def chat_prompter(tokenizer) -> Prompter:
+    """The real prompt maker: the passage as the document of the target's chat template, the instruction after it."""
+    from specextend.tools import prompting
+
+    return lambda passage, instruction: prompting.encode(tokenizer, tokenizer.decode(passage), instruction).ids
+
+
+def request(corpus: Corpus, prompter: Prompter, seed: int, index: int, held: bool, doc_tokens: int) -> list[int]:
+    """Chat request `index` of a split: a pure function of its arguments."""
+    rng = random.Random(f"chat:{seed}:{'held' if held else 'train'}:{index}")
+    passage = corpus.passage(rng, rng.randint(doc_tokens // 3, doc_tokens), held)
+    return prompter(passage, rng.choice(INSTRUCTIONS))
+
+
+@torch.no_grad()
+def greedy_answers(model, prompts: list[list[int]], max_new: int, stop: Sequence[int], pad: int,
+                   batch: int) -> list[list[int]]:
+    """The model's greedy answers to `prompts`, each cut after its first stop id: left-padded batches of prompts of
+    near lengths (sorted) through `generate`, answers returned in the prompts' order."""
+    device = next(model.parameters()).device
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[list[int]] = [[] for _ in prompts]
+    stops = set(stop)
+    for b in range(0, len(order), batch):
+        group = [prompts[i] for i in order[b:b + batch]]
+        width = max(map(len, group))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in group], device=device)  # (B, W)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=device)
+        gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
+                             pad_token_id=pad, eos_token_id=list(stop), top_k=None, top_p=None, temperature=None)
+        for i, row in zip(order[b:b + batch], gen[:, width:].tolist()):
+            cut = next((j + 1 for j, t in enumerate(row) if t in stops), len(row))
+            out[i] = row[:cut]
+    return out
+
+
+@dataclass(frozen=True)
+class Chat:
+    """One answered request: its ids (prompt then answer) and where the answer starts."""
+
+    index: int
+    ids: list[int]
+    prompt_len: int
+
+
+def write_shard(folder: Path, chats: list[Chat], note: dict) -> Path:
+    """`chats` (consecutive indices) as one shard, written whole or not at all."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"part-{chats[0].index:06d}.pt"
+    lengths = torch.tensor([len(c.ids) for c in chats], dtype=torch.int32)
+    data = {"index": torch.tensor([c.index for c in chats]), "length": lengths,
+            "prompt_len": torch.tensor([c.prompt_len for c in chats], dtype=torch.int32),
+            "ids": torch.tensor([t for c in chats for t in c.ids], dtype=torch.int32), "note": note}
+    tmp = path.with_suffix(".tmp")
+    torch.save(data, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def read_chats(folder: Path) -> list[Chat]:
+    """Every answered request in `folder`'s shards, by index (a gap ends the list: requests run in order)."""
+    chats: dict[int, Chat] = {}
+    for path in sorted(folder.glob("part-*.pt")):
+        data = torch.load(path)
+        flat, at = data["ids"].tolist(), 0
+        for index, length, prompt_len in zip(data["index"].tolist(), data["length"].tolist(),
+                                             data["prompt_len"].tolist()):
+            chats[index] = Chat(index, flat[at:at + length], prompt_len)
+            at += length
+    ordered = []
+    while len(ordered) in chats:
+        ordered.append(chats[len(ordered)])
+    return ordered
+
+
+def answer_requests(model, corpus: Corpus, prompter: Prompter, folder: Path, *, count: int, held: bool, seed: int,
+                    doc_tokens: int, max_new: int, stop: Sequence[int], pad: int, batch: int, shard: int,
+                    time_left: Callable[[], float] = lambda: float("inf"), say: Callable[[str], None] = print) -> int:
+    """Answer requests of a split until `folder` holds `count` or `time_left()` runs out, `shard` requests a shard,
+    resuming after the last one stored. Returns how many `folder` holds."""
+    done = len(read_chats(folder))
+    note = {"seed": seed, "held": held, "doc_tokens": doc_tokens, "max_new": max_new,
+            "dtype": str(next(model.parameters()).dtype), "device": str(next(model.parameters()).device)}
+    while done < count and time_left() > 0:
+        indices = range(done, min(count, done + shard))
+        prompts = [request(corpus, prompter, seed, i, held, doc_tokens) for i in indices]
+        answers = greedy_answers(model, prompts, max_new, stop, pad, batch)
+        write_shard(folder, [Chat(i, p + a, len(p)) for i, p, a in zip(indices, prompts, answers)], note)
+        done = indices[-1] + 1
+        say(f"answers: {done}/{count} ({sum(map(len, answers))} answer tokens in the last shard)")
+    return done
+
+
+@dataclass(frozen=True)
+class Position:
+    """How far the training stream has got: items read, and of them chats and plain windows."""
+
+    item: int = 0
+    chat: int = 0
+    plain: int = 0
+
+
+def is_chat(item: int, share: float) -> bool:
+    """Whether item `item` is a chat, `share` of items spread evenly."""
+    return int((item + 1) * share) > int(item * share)
+
+
+class Stream:
+    """The sequences training reads, in a fixed order: chats (as many as stored) and plain corpus windows."""
+
+    def __init__(self, corpus: Corpus, chats: list[Chat], window: int, chat_share: float, seed: int) -> None:
+        self.corpus, self.chats, self.window, self.share = corpus, chats, window, chat_share
+        self.starts = corpus.windows(window, held=False)
+        random.Random(f"plain:{seed}").shuffle(self.starts)
+
+    def take(self, pos: Position, n: int) -> tuple[list[list[int]], Position]:
+        """The next `n` sequences after `pos` (each at most `window` ids) and the position after them."""
+        seqs = []
+        item, chat, plain = pos.item, pos.chat, pos.plain
+        for _ in range(n):
+            if is_chat(item, self.share) and chat < len(self.chats):
+                seqs.append(self.chats[chat].ids[:self.window])
+                chat += 1
+            else:
+                start = self.starts[plain % len(self.starts)]
+                seqs.append(self.corpus.ids[start:start + self.window].tolist())
+                plain += 1
+            item += 1
+        return seqs, Position(item, chat, plain)
+
+
+def held_out(corpus: Corpus, chats: list[Chat], window: int, plain: int) -> list[list[int]]:
+    """The fixed held-out set the curve is measured on: the held-out chats and `plain` windows of held-out blocks."""
+    starts = corpus.windows(window, held=True)
+    starts = starts[::max(1, len(starts) // max(plain, 1))][:plain]  # spread over the held-out blocks
+    return [c.ids[:window] for c in chats] + [corpus.ids[s:s + window].tolist() for s in starts]
+
+
+def pad_batch(seqs: list[list[int]], pad: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids (B, T) and their mask (B, T) bool."""
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s)
+        mask[i, :len(s)] = True
+    return ids.to(device), mask.to(device)
+
+
+def summary(folder: Path) -> dict:
+    """What a data folder holds: corpus tokens by split, answered requests and their answer tokens."""
+    corpus = Corpus(np.load(folder / "corpus.npy"))
+    out = {"corpus_tokens": int(len(corpus.ids)),
+           "held_blocks": sum(corpus.is_held(b) for b in range(corpus.blocks))}
+    for split in ("answers", "held"):
+        chats = read_chats(folder / split)
+        out[split] = {"requests": len(chats), "answer_tokens": sum(len(c.ids) - c.prompt_len for c in chats)}
+    return out
+

@@ -1,0 +1,348 @@
+"""Train the EAGLE-3 head online: the target reads each batch as training consumes it, so no stream is ever stored.
+
+One command, in phases under one wall-clock budget (`--minutes`), each stopping in time and the run always writing
+what it has:
+1. data (scripts/head_data.py): the corpus's ids (built once), the held-out requests' answers, then as many of the
+   training requests' answers as `--answers` asks or `--answer-share` of the budget allows, in left-padded batches,
+   into resumable shards of ids;
+2. training: each batch of the stream (chats and plain windows) is read by the target (`Reader`: its residual streams
+   entering layers 2, L//2 and L-3, and its top-k next-token log-probabilities), in bf16 where that is faster; the head
+   learns the target's top-k distribution with training-time test over `--unroll` steps (its own output state fed
+   back), at a learning rate that follows the tokens seen, so a resumed run continues its schedule;
+3. a checkpoint (head, optimizer, stream position, RNG, counters) every `--checkpoint-minutes` and at the end, the
+   agreement curve on a fixed held-out set appended to curve.jsonl at every evaluation, and the head written in the
+   bundled format (scripts/train_head.save_head) with its record.
+
+  python -m scripts.head_train_online --work cache/head-online --init assets/models/smollm2-135m-eagle3 --minutes 30
+  python -m scripts.head_train_online --work cache/head-online --resume --minutes 30
+  python -m scripts.head_train_online --device cuda --work $OUT/work --out $OUT/head --minutes 8.5 --batch 64 ...
+
+Imports torch, transformers and the project only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from scripts import head_data
+from scripts.head_data import Position
+from scripts.train_head import draft_vocab, head_loss, make_head, read_streams, save_head, unrolled_steps
+from specextend import models
+from specextend.heads import feature_streams, load_head
+
+CHECKPOINT = "checkpoint.pt"
+CURVE = "curve.jsonl"
+STREAM_ARGS = ("seed", "window", "chat_share")  # fixed by a run's first command: the stream's order depends on them
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--work", type=Path, required=True, help="corpus, answers, checkpoint and curve (resumable)")
+    p.add_argument("--out", type=Path, help="the head folder written at the end (default: WORK/head)")
+    p.add_argument("--target", type=Path, help="the target's folder (default: the bundled target)")
+    p.add_argument("--init", type=Path, help="start from this head folder (its draft vocabulary kept)")
+    p.add_argument("--resume", action="store_true", help="continue from WORK/checkpoint.pt")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--minutes", type=float, default=0.0, help="wall-clock budget of the whole command (0: none)")
+    p.add_argument("--steps", type=int, default=0, help="stop training after this many steps in all (0: no limit)")
+    p.add_argument("--reserve-s", type=float, default=30.0, help="seconds kept for the last evaluation and saving")
+    p.add_argument("--answers", type=int, default=0, help="training requests answered by the target, in all")
+    p.add_argument("--answer-share", type=float, default=0.3, help="most share of the budget spent answering")
+    p.add_argument("--held-chats", type=int, default=32)
+    p.add_argument("--held-windows", type=int, default=32)
+    p.add_argument("--doc-tokens", type=int, default=320, help="most tokens of a passage in a request")
+    p.add_argument("--max-new", type=int, default=128, help="most tokens of an answer")
+    p.add_argument("--gen-batch", type=int, default=16)
+    p.add_argument("--shard", type=int, default=64, help="requests per shard of answers")
+    p.add_argument("--gen-dtype", default="auto", help="auto (bf16 on CUDA, else float32), float32 or bfloat16")
+    p.add_argument("--read-dtype", default="auto",
+                   help="auto (bf16 on CUDA, else where measured faster: models.prefill_dtype), float32 or bfloat16")
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--chat-share", type=float, default=0.5, help="share of the stream's sequences that are chats")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--unroll", type=int, default=6)
+    p.add_argument("--topk", type=int, default=16)
+    p.add_argument("--draft-vocab", type=int, default=8192)
+    p.add_argument("--vocab-sample", type=int, default=256, help="sequences read to choose a new head's vocabulary")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup-tokens", type=float, default=2e5)
+    p.add_argument("--schedule-tokens", type=float, default=2e7, help="tokens of the cosine's length (then --lr-floor)")
+    p.add_argument("--lr-floor", type=float, default=0.1, help="the cosine's end, a share of --lr")
+    p.add_argument("--checkpoint-minutes", type=float, default=5.0)
+    p.add_argument("--eval-every", type=int, default=100, help="steps between evaluations on the held-out set")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def dtype_of(name: str, device: torch.device, measured) -> torch.dtype:
+    """float32/bfloat16 by name; auto: bf16 on CUDA, else `measured()`."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else measured()
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def in_dtype(target, dtype: torch.dtype):
+    """The target computing in `dtype`, its output layer kept in its own dtype (as the engine's bf16 prefill keeps
+    it: bf16 logits would tie the top tokens far more often): itself where `dtype` is its own."""
+    if dtype == next(target.parameters()).dtype:
+        return target
+    return models.reduced_copy(target, dtype, keep=target.get_output_embeddings())
+
+
+class Reader:
+    """The target reading batches for the head in `dtype` (`in_dtype`): the residual streams the head takes and the
+    top-k next-token log-probabilities."""
+
+    def __init__(self, target, dtype: torch.dtype, topk: int) -> None:
+        self.model = in_dtype(target, dtype)
+        self.streams = feature_streams("eagle3", target.config.num_hidden_layers)
+        self.topk, self.dtype = topk, dtype
+
+    @torch.no_grad()
+    def __call__(self, ids: torch.Tensor) -> dict:
+        """ids (B, T) -> feats (B, T, 3H) in the reading dtype, top_lp (B, T, K) float32, top_id (B, T, K)."""
+        feats, logits = read_streams(self.model, ids, self.streams)
+        lp, idx = torch.log_softmax(logits.float(), -1).topk(self.topk, dim=-1)
+        return {"feats": feats, "top_lp": lp, "top_id": idx}
+
+
+def learning_rate(args, tokens: int) -> float:
+    """Warm-up, then a cosine from --lr to --lr-floor x --lr over --schedule-tokens, then the floor: a function of
+    the tokens seen, so that a resumed run continues its schedule."""
+    warm = min(1.0, (tokens + 1) / args.warmup_tokens)
+    done = min(1.0, tokens / args.schedule_tokens)
+    return args.lr * warm * (args.lr_floor + (1 - args.lr_floor) * 0.5 * (1 + math.cos(math.pi * done)))
+
+
+def labelled(reader: Reader, seqs: list[list[int]], pad: int, device) -> dict:
+    ids, mask = head_data.pad_batch(seqs, pad, device)
+    return {"ids": ids, "mask": mask, **reader(ids)}
+
+
+@torch.no_grad()
+def evaluate(head, batches: list[dict], to_draft: torch.Tensor, unroll: int) -> dict:
+    """On the held-out batches: each unrolled step's agreement with the target's argmax (tokens teacher-forced), and
+    `chain`: the mean number of leading steps that agree, where all are defined (a chain's accepted tokens, as if
+    the tokens read were the target's own)."""
+    was = head.training
+    head.eval()
+    hits, counts, chain, chained = [0.0] * unroll, [0] * unroll, 0.0, 0
+    for batch in batches:
+        steps = list(unrolled_steps(head, batch, to_draft, unroll))
+        last = steps[-1][2].shape[1]
+        lead = torch.ones_like(steps[-1][2], dtype=torch.float)
+        run = torch.zeros_like(lead)
+        for j, (_, hit, valid) in enumerate(steps):
+            hits[j] += float(hit[valid].sum())
+            counts[j] += int(valid.sum())
+            lead = lead * hit[:, :last]
+            run += lead
+        every = steps[-1][2]
+        chain += float(run[every].sum())
+        chained += int(every.sum())
+    head.train(was)
+    return {"held_agree": [round(h / max(c, 1), 4) for h, c in zip(hits, counts)],
+            "held_chain": round(chain / max(chained, 1), 4), "held_positions": counts[0]}
+
+
+def save_checkpoint(path: Path, state: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+class Clock:
+    """The command's wall-clock budget (0: none) and a stop asked by a signal."""
+
+    def __init__(self, minutes: float, reserve_s: float) -> None:
+        self.start = time.time()
+        self.end = self.start + minutes * 60 if minutes else float("inf")
+        self.reserve = reserve_s
+        self.stopped = False
+
+    def left(self) -> float:
+        """Seconds left before the reserve kept for the end (negative once past it)."""
+        return -1.0 if self.stopped else self.end - self.reserve - time.time()
+
+    def before(self, share: float) -> float:
+        """Seconds left before `share` of the budget has passed."""
+        if self.stopped:
+            return -1.0
+        return (self.start + share * (self.end - self.start) - time.time()) if self.end != float("inf") else float("inf")
+
+    def stop(self, *_) -> None:
+        self.stopped = True
+
+
+def prepare_data(args, target, prompter, pad: int, stop: tuple[int, ...], clock: Clock, say):
+    """Phase 1: the held-out requests' answers, then the training requests' within their share of the budget.
+    Returns (corpus, training chats, held-out sequences)."""
+    corpus = head_data.load_corpus(args.work)
+    gen_model = in_dtype(target, dtype_of(args.gen_dtype, torch.device(args.device), lambda: torch.float32))
+    answering = dict(seed=args.seed, doc_tokens=args.doc_tokens, max_new=args.max_new, stop=stop, pad=pad,
+                     batch=args.gen_batch, shard=args.shard, say=say)
+    head_data.answer_requests(gen_model, corpus, prompter, args.work / "held", count=args.held_chats, held=True,
+                              time_left=clock.left, **answering)
+    head_data.answer_requests(gen_model, corpus, prompter, args.work / "answers", count=args.answers, held=False,
+                              time_left=lambda: min(clock.before(args.answer_share), clock.left()), **answering)
+    held_seqs = head_data.held_out(corpus, head_data.read_chats(args.work / "held")[:args.held_chats], args.window,
+                                   args.held_windows)
+    return corpus, head_data.read_chats(args.work / "answers"), held_seqs
+
+
+def start_head(args, target, reader: Reader, stream: head_data.Stream, ckpt: dict | None, pad: int,
+               stop: tuple[int, ...]):
+    """The head and its draft vocabulary (target ids, sorted): from the checkpoint, a head folder (`--init`), or
+    afresh, its vocabulary the `--draft-vocab` ids the target predicts most often over the stream's first
+    `--vocab-sample` sequences."""
+    if ckpt is not None:
+        vocab_ids = ckpt["vocab_ids"]
+        head = make_head(target, vocab_ids)
+        head.load_state_dict(ckpt["head"])
+    elif args.init:
+        head = load_head(args.init, target, torch.device("cpu"), torch.float32)
+        vocab_ids = torch.arange(len(head.d2t)) + head.d2t
+    else:
+        sample, _ = stream.take(Position(), args.vocab_sample)
+        read = [labelled(reader, sample[i:i + args.batch], pad, args.device) for i in range(0, len(sample), args.batch)]
+        ids, mask, top = (torch.cat([b[k].reshape(-1, *b[k].shape[2:]).cpu() for b in read])
+                          for k in ("ids", "mask", "top_id"))
+        vocab_ids = draft_vocab(ids, mask, top, args.draft_vocab, target.config.vocab_size, stop)
+        head = make_head(target, vocab_ids)
+    return head.to(device=args.device, dtype=torch.float32).train(), vocab_ids
+
+
+def run(args, target, prompter, pad: int, stop: tuple[int, ...], say=print, clock: Clock | None = None) -> dict:
+    """All phases on a loaded target (float32, on `--device`); WORK must hold corpus.npy. Returns the record written
+    beside the head."""
+    clock = clock or Clock(args.minutes, args.reserve_s)
+    device = torch.device(args.device)
+    work, out = args.work, args.out or args.work / "head"
+    ckpt_path, curve_path = work / CHECKPOINT, work / CURVE
+    ckpt = torch.load(ckpt_path, weights_only=False) if args.resume and ckpt_path.is_file() else None
+    if args.resume and ckpt is None:
+        say(f"no checkpoint in {work}: starting afresh")
+    if ckpt is not None:
+        for name in STREAM_ARGS:
+            setattr(args, name, ckpt["args"][name])
+    for p in target.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(args.seed)  # a new head's initial weights
+    corpus, chats, held = prepare_data(args, target, prompter, pad, stop, clock, say)
+    stream = head_data.Stream(corpus, chats, args.window, args.chat_share, args.seed)
+    read_dtype = dtype_of(args.read_dtype, device, lambda: models.prefill_dtype(target, "auto"))
+    reader = Reader(target, read_dtype, args.topk)
+    head, vocab_ids = start_head(args, target, reader, stream, ckpt, pad, stop)
+    to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
+    to_draft[vocab_ids] = torch.arange(len(vocab_ids))
+    to_draft = to_draft.to(device)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    state = {"step": 0, "tokens": 0, "minutes": 0.0, "pos": Position()}
+    if ckpt is not None:
+        opt.load_state_dict(ckpt["opt"])
+        state = {**ckpt["state"], "pos": Position(**ckpt["state"]["pos"])}
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        random.setstate(ckpt["rng"]["python"])
+    held_batches = [labelled(reader, held[i:i + args.batch], pad, device) for i in range(0, len(held), args.batch)]
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    began, minutes0 = time.time(), state["minutes"]
+
+    def distinct(pos: Position) -> int:
+        """Token-positions of distinct sequences read so far (each chat once; plain windows up to one epoch)."""
+        return sum(len(c.ids[:args.window]) for c in chats[:pos.chat]) + min(pos.plain, len(stream.starts)) * args.window
+
+    def checkpoint() -> None:
+        state["minutes"] = minutes0 + (time.time() - began) / 60
+        save_checkpoint(ckpt_path, {"head": head.state_dict(), "opt": opt.state_dict(), "vocab_ids": vocab_ids,
+                                    "state": {**state, "pos": asdict(state["pos"])}, "args": vars(args),
+                                    "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}})
+
+    def point(losses: list[float], agrees: list[list[float]]) -> dict:
+        with autocast:
+            got = evaluate(head, held_batches, to_draft, args.unroll)
+        row = {"step": state["step"], "tokens": state["tokens"], "distinct_tokens": distinct(state["pos"]),
+               "minutes": round(minutes0 + (time.time() - began) / 60, 2), "lr": learning_rate(args, state["tokens"]),
+               "loss": round(sum(losses) / len(losses), 4) if losses else None,
+               "train_agree": [round(sum(a[j] for a in agrees) / len(agrees), 4) for j in range(args.unroll)]
+               if agrees else None, **got, "device": device.type, "read_dtype": str(read_dtype).replace("torch.", "")}
+        with curve_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        say(json.dumps(row))
+        return row
+
+    # 2. training until the budget's reserve, evaluating and checkpointing as it goes
+    losses, agrees, last_ckpt, rows = [], [], time.time(), []
+    if state["step"] == 0:
+        rows.append(point([], []))
+    while clock.left() > 0 and not (args.steps and state["step"] >= args.steps):
+        seqs, pos = stream.take(state["pos"], args.batch)
+        batch = labelled(reader, seqs, pad, device)
+        for g in opt.param_groups:
+            g["lr"] = learning_rate(args, state["tokens"])
+        with autocast:
+            loss, agree = head_loss(head, batch, to_draft, args.unroll)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        state.update(step=state["step"] + 1, tokens=state["tokens"] + int(batch["mask"].sum()), pos=pos)
+        losses.append(float(loss.detach()))
+        agrees.append(agree)
+        if state["step"] % args.eval_every == 0:
+            rows.append(point(losses, agrees))
+            losses, agrees = [], []
+        if time.time() - last_ckpt > args.checkpoint_minutes * 60:
+            checkpoint()
+            last_ckpt = time.time()
+
+    # 3. the last point, the checkpoint and the head
+    if losses or not rows:
+        rows.append(point(losses, agrees))
+    checkpoint()
+    record = {"command": "python -m scripts.head_train_online " + " ".join(sys.argv[1:]),
+              "data": head_data.summary(work) | {"position": asdict(state["pos"]),
+                                                 "distinct_tokens": distinct(state["pos"])},
+              "steps": state["step"], "tokens_seen": state["tokens"], "minutes": round(state["minutes"], 2),
+              "unroll": args.unroll, "topk": args.topk, "draft_vocab": len(vocab_ids), "streams": list(head.streams),
+              "read_dtype": str(read_dtype).replace("torch.", ""), "device": device.type, "last": rows[-1],
+              "curve": CURVE}
+    save_head(head, out, record)
+    return record
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specextend.tools import bundled, prompting
+
+    clock = Clock(args.minutes, args.reserve_s)
+    signal.signal(signal.SIGTERM, clock.stop)  # a stop asked from outside ends training and still writes everything
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
+    folder = args.target or bundled.target_dir()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(args.device).eval()
+    head_data.load_corpus(args.work, tokenizer)
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    run(args, target, head_data.chat_prompter(tokenizer), pad, prompting.stop_ids(tokenizer, target), say, clock)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""The online head pipeline at tiny scale (scripts/head_data.py, scripts/head_train_online.py): batched answers equal
+one-at-a-time ones and resume where they stopped; the stream's position is all a resume needs; generate -> online
+features -> training with training-time test -> checkpoint -> resume continues exactly as an uninterrupted run; the
+curve grows; the head is written in the bundled format and loads; training text that shares a run of words with a
+figure's document is refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import VOCAB, tiny
+
+from scripts import head_data, head_train_online, pd_corpus
+from scripts.head_data import Position
+from specextend.heads import load_head
+
+STOP = (5,)
+PAD = 0
+
+
+def prompter(passage: list[int], instruction: str) -> list[int]:
+    """A stand-in chat template: start, the passage, the instruction's number, end of turn."""
+    return [1, *passage, 2, 10 + head_data.INSTRUCTIONS.index(instruction), 3]
+
+
+@pytest.fixture(scope="module")
+def target():
+    model = tiny("llama", layers=6, seed=3)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+@pytest.fixture(scope="module")
+def corpus_ids() -> np.ndarray:
+    rng = np.random.default_rng(0)
+    return rng.integers(6, VOCAB, size=9 * head_data.BLOCK, dtype=np.uint16)  # 9 blocks: block 7 is held out
+
+
+def work_folder(folder, corpus_ids):
+    """A work folder holding only the corpus's ids."""
+    folder.mkdir()
+    np.save(folder / "corpus.npy", corpus_ids)
+    return folder
+
+
+def test_batched_answers_are_the_one_at_a_time_answers(target, corpus_ids):
+    corpus = head_data.Corpus(corpus_ids)
+    prompts = [head_data.request(corpus, prompter, 0, i, False, 12) for i in range(5)]
+    assert len({len(p) for p in prompts}) > 1  # left padding is exercised
+    batched = head_data.greedy_answers(target, prompts, 6, STOP, PAD, batch=5)
+    single = [head_data.greedy_answers(target, [p], 6, STOP, PAD, batch=1)[0] for p in prompts]
+    assert batched == single and all(0 < len(a) <= 6 for a in batched)
+
+
+def test_answers_resume_after_the_last_shard(tmp_path, target, corpus_ids):
+    corpus = head_data.Corpus(corpus_ids)
+    common = dict(held=False, seed=1, doc_tokens=12, max_new=4, stop=STOP, pad=PAD, batch=3, shard=2, say=lambda _: None)
+    budget = iter([1.0, -1.0])  # one shard, then the time is up
+    assert head_data.answer_requests(target, corpus, prompter, tmp_path / "a", count=5, time_left=lambda: next(budget),
+                                     **common) == 2
+    assert head_data.answer_requests(target, corpus, prompter, tmp_path / "a", count=5, **common) == 5
+    head_data.answer_requests(target, corpus, prompter, tmp_path / "b", count=5, **common)
+    resumed, straight = head_data.read_chats(tmp_path / "a"), head_data.read_chats(tmp_path / "b")
+    assert [c.ids for c in resumed] == [c.ids for c in straight] and [c.index for c in resumed] == list(range(5))
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["part-000000.pt", "part-000002.pt", "part-000004.pt"]
+    chat = resumed[0]
+    assert chat.ids[:chat.prompt_len] == head_data.request(corpus, prompter, 1, 0, False, 12)
+
+
+def test_the_stream_is_a_function_of_its_position_and_keeps_held_blocks_out(corpus_ids):
+    corpus = head_data.Corpus(corpus_ids)
+    chats = [head_data.Chat(i, [7, 8, i], 2) for i in range(3)]
+    stream = head_data.Stream(corpus, chats, 32, 0.5, seed=0)
+    first, mid = stream.take(Position(), 5)
+    second, end = stream.take(mid, 5)
+    whole, end2 = stream.take(Position(), 10)
+    assert first + second == whole and end == end2 == Position(10, 3, 7)  # chats run out after 3: windows then
+    assert [s for s in whole if len(s) == 3] == [c.ids for c in chats]
+    held = range(7 * head_data.BLOCK, 8 * head_data.BLOCK)
+    assert all(s not in held for s in stream.starts) and len(stream.starts) == 8 * head_data.BLOCK // 32
+    assert all(s in held for s in corpus.windows(32, held=True))
+
+
+def arguments(work, **changes):
+    args = head_train_online.parse_args([
+        "--work", str(work), "--answers", "6", "--held-chats", "3", "--held-windows", "3", "--doc-tokens", "12",
+        "--max-new", "5", "--gen-batch", "4", "--shard", "4", "--window", "24", "--batch", "3", "--unroll", "5",
+        "--topk", "4", "--draft-vocab", "40", "--vocab-sample", "6", "--eval-every", "1", "--lr", "3e-3",
+        "--warmup-tokens", "50", "--schedule-tokens", "2000", "--threads", "1"])
+    for name, value in changes.items():
+        setattr(args, name, value)
+    return args
+
+
+def curve(work):
+    import json
+
+    return [json.loads(line) for line in (work / head_train_online.CURVE).read_text().splitlines()]
+
+
+def test_generate_train_checkpoint_resume_and_evaluate(tmp_path, target, corpus_ids):
+    say = lambda _: None  # noqa: E731
+    straight = work_folder(tmp_path / "straight", corpus_ids)
+    record = head_train_online.run(arguments(straight, steps=6), target, prompter, PAD, STOP, say)
+
+    split = work_folder(tmp_path / "split", corpus_ids)
+    head_train_online.run(arguments(split, steps=3), target, prompter, PAD, STOP, say)
+    first = curve(split)
+    resumed = head_train_online.run(arguments(split, steps=6, resume=True), target, prompter, PAD, STOP, say)
+    rows, whole = curve(split), curve(straight)
+
+    assert len(rows) > len(first) and [r["step"] for r in rows] == list(range(7))  # the curve grew, one row a step
+    assert [r["loss"] for r in rows] == [r["loss"] for r in whole]  # the resumed run continues exactly
+    assert [r["held_agree"] for r in rows] == [r["held_agree"] for r in whole]
+    assert resumed["data"]["position"] == record["data"]["position"] and resumed["tokens_seen"] == record["tokens_seen"]
+    one, two = (torch.load(w / head_train_online.CHECKPOINT, weights_only=False) for w in (straight, split))
+    assert all(torch.equal(one["head"][k], two["head"][k]) for k in one["head"])
+    assert one["opt"]["state"][0]["step"] == two["opt"]["state"][0]["step"] == 6
+
+    assert record["data"]["answers"]["requests"] == 6 and record["data"]["held"]["requests"] == 3
+    assert record["data"]["position"]["chat"] == 6 and record["unroll"] == 5 and record["draft_vocab"] == 40
+    assert len(whole[-1]["held_agree"]) == 5 and 0.0 <= whole[-1]["held_chain"] <= 5.0
+    assert whole[-1]["loss"] < whole[1]["loss"]  # it learns
+    head = load_head(straight / "head", target, torch.device("cpu"), torch.float32)  # the bundled format, loadable
+    assert len(head.d2t) == 40 and int(head.t2d.sum()) == 40
+
+
+def test_a_fresh_start_and_an_init_from_a_head_folder_share_the_vocabulary(tmp_path, target, corpus_ids):
+    work = work_folder(tmp_path / "a", corpus_ids)
+    head_train_online.run(arguments(work, steps=1, answers=0), target, prompter, PAD, STOP, lambda _: None)
+    again = work_folder(tmp_path / "b", corpus_ids)
+    record = head_train_online.run(arguments(again, steps=1, answers=0, init=work / "head"), target, prompter, PAD,
+                                   STOP, lambda _: None)
+    one, two = (torch.load(w / head_train_online.CHECKPOINT, weights_only=False) for w in (work, again))
+    assert torch.equal(one["vocab_ids"], two["vocab_ids"]) and record["draft_vocab"] == 40
+    assert set(STOP) <= set(one["vocab_ids"].tolist())  # the end ids are always draftable
+
+
+def test_training_text_sharing_a_run_of_words_with_a_figures_document_is_refused(monkeypatch):
+    figure = [("doc", "The quality of mercy is not strained; it droppeth as the gentle rain from heaven upon the place")]
+    quoting = [("play", "PORTIA. the quality of MERCY is not strained, it droppeth as the gentle rain from heaven.")]
+    assert pd_corpus.shared_runs(quoting, figure) == [
+        ("play", "doc", "the quality of mercy is not strained it droppeth as the gentle")]  # the first run of 12 words
+    assert pd_corpus.shared_runs([("play", "the quality of mercy is not strained at all")], figure) == []
+    monkeypatch.setattr(pd_corpus, "figure_texts", lambda: figure)
+    with pytest.raises(ValueError, match="play shares 'the quality of mercy"):
+        pd_corpus.check_disjoint(quoting)
+    pd_corpus.check_disjoint([("play", "the quality of mercy is not strained at all")])
