@@ -29,8 +29,10 @@ SOURCES) in the shares it gives: each batch draws its source, and on-policy prom
 each source in proportion.
 The draft starts fresh, from --init (a previous run's folder) or from --cut (the target's own layers).
 The learning rate follows a cosine over the wall-clock budget, so a run of --minutes ends annealed.
-Every --save-every minutes and at the end the weights are written (bfloat16 safetensors) to --out
-with the tokenizer files and a training record (train_record.json).
+Every --save-every minutes and at the end the weights are written to --out, compact (model.gguf: 8-bit blocks,
+scripts/compact_weights.py) or with --weights safetensors as bfloat16 safetensors (exact, for a run to be continued),
+with the target's tokenizer digest in the config (the draft reads its target's tokenizer) and a training record
+(train_record.json).
 
     python -m scripts.train_draft --minutes 40 --seed 0
 """
@@ -53,13 +55,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from scripts import pd_corpus
+from scripts import compact_weights, pd_corpus
 
 from specextend.tools import bundled
-from specextend.models import SHARED_EMBEDDING, cuts_from_target, share_embedding
+from specextend import compact
+from specextend.models import SHARED_EMBEDDING, SHARED_TOKENIZER, cuts_from_target, from_pretrained, share_embedding
 from specextend.vocab import DRAFT_VOCAB_FILE, read_output_vocab
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 CHAT_WEIGHT = 2.0  # how much likelier a chat teacher row is drawn than a text one
 POLICY_MAX_NEW = 128  # the longest draft answer in an on-policy window
 REPLAY_K = 64  # the target's top log-probs kept per position of a window labelled for replay
@@ -291,7 +293,9 @@ def topk_loss(logits, tid, tlp, mask, ce_weight: float):
     return masked_mean_and_agreement(per, logits, tid[..., 0], mask)
 
 
-def save(model, out: Path, record: dict, sub: list[int] | None) -> None:
+def save(model, out: Path, record: dict, sub: list[int] | None, compact_file: bool = True) -> None:
+    """The draft as a model folder in `out`: its weights compact (or bf16 safetensors), its config, the record and its
+    output vocabulary."""
     out.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / (out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -299,16 +303,18 @@ def save(model, out: Path, record: dict, sub: list[int] | None) -> None:
     state = None
     if getattr(model.config, SHARED_EMBEDDING, False):  # the loader takes the embedding from the target
         state = {k: v for k, v in half.state_dict().items() if k not in ("model.embed_tokens.weight", "lm_head.weight")}
-    half.save_pretrained(str(tmp), safe_serialization=True, state_dict=state)
     tdir = bundled.target_dir()
-    for name in TOKENIZER_FILES:
-        if (tdir / name).is_file():
-            shutil.copy(tdir / name, tmp / name)
+    if (tdir / "tokenizer.json").is_file():  # the draft ships no tokenizer: it reads its target's
+        setattr(half.config, SHARED_TOKENIZER, compact_weights.target_digest(tdir))
+    half.save_pretrained(str(tmp), safe_serialization=True, state_dict=state)
+    if compact_file:
+        compact_weights.compact_folder(tmp)
     (tmp / "train_record.json").write_text(json.dumps(record, indent=2) + "\n")
     if sub is not None:
         (tmp / DRAFT_VOCAB_FILE).write_text(json.dumps({"size": len(sub), "ids": sub}) + "\n")
     for f in tmp.iterdir():
         shutil.copy(f, out / f.name)
+    (out / (compact_weights.ORDINARY if compact_file else compact.COMPACT_FILE)).unlink(missing_ok=True)  # stale
     shutil.rmtree(tmp)
 
 
@@ -346,6 +352,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                     help="text sources and their shares of the text, online and on-policy windows, e.g. "
                          "shakespeare:0.5,sotu:0.5 (sources: scripts/pd_corpus.py SOURCES)")
     ap.add_argument("--save-every", type=float, default=10.0)
+    ap.add_argument("--weights", choices=("compact", "safetensors"), default="compact",
+                    help="how the weights are written: 8-bit blocks (model.gguf) or bf16 safetensors (exact)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu",
                     help="where the target and the draft run, e.g. cuda (the labelled windows kept for replay stay on "
@@ -379,7 +387,7 @@ def load_models(args, tdir: Path, cfg):
     if args.online_share + args.policy_share > 0 or args.cut or (args.init and cuts_from_target(Path(args.init))):
         teacher = LlamaForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval().to(dev)
     if args.init:  # continue a previous run (its architecture wins over the flags)
-        model = LlamaForCausalLM.from_pretrained(args.init, dtype=torch.float32)
+        model = from_pretrained(args.init, dtype=torch.float32)  # safetensors or compact
     elif args.cut:
         model = cut_target(teacher, [int(i) for i in args.cut.split(",")])
     else:
@@ -640,7 +648,7 @@ def train(args, model, teacher, corpus: Corpus, batches: Batches, record: dict) 
         if time.time() - last_save > args.save_every * 60 or done:
             record["train_minutes"] = round((time.time() - start) / 60, 2)
             record.update({f"{name}_seen": count for name, count in asdict(seen).items()}, steps=step)
-            save(model, Path(args.out), record, vocab.ids)
+            save(model, Path(args.out), record, vocab.ids, args.weights == "compact")
             last_save = time.time()
             print(f"saved to {args.out}", flush=True)
         if done:

@@ -10,8 +10,9 @@ Two stages, both on this machine's CPU:
    target's rows) learns the target's next-token distribution with training-time test: `--unroll` steps in which
    the head's own output state is fed back, each step's queries seeing the real entries up to their position and
    their own earlier steps at the same position, as a drafted chain does at inference.
-Writes a head folder in the published EAGLE-3 layout (config.json, model.safetensors, d2t, t2d) plus
-train_record.json with the command, the data and the curve of agreement against tokens seen.
+Writes a head folder in the published EAGLE-3 layout (config.json; fc, midlayer, norm, lm_head, d2t, t2d), its weights
+compact (model.gguf: 8-bit blocks, scripts/compact_weights.py), plus train_record.json with the command, the data and
+the curve of agreement against tokens seen.
 
   python -m scripts.train_head --data cache/head-data --out assets/models/smollm2-135m-eagle3
 """
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from scripts import head_data, pd_corpus
+from scripts import compact_weights, head_data, pd_corpus
 from specextend.heads import EAGLE3_ARCHITECTURE, EagleHead, config_like, feature_streams, load_head
 from specextend.tools import bundled, prompting
 
@@ -214,12 +215,10 @@ def make_head(target, vocab_ids: torch.Tensor) -> EagleHead:
 
 
 def save_head(head: EagleHead, out: Path, record: dict) -> None:
-    from safetensors.torch import save_file
-
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach()
              for k, v in head.state_dict().items()}
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+    compact_weights.write_weights(state, out)
     config = head.config.to_diff_dict()
     config = {k: v for k, v in config.items() if not k.startswith("_") and k not in ("transformers_version", "dtype")}
     config.update(architectures=[EAGLE3_ARCHITECTURE], model_type="llama", torch_dtype="bfloat16")

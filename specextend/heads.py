@@ -7,9 +7,10 @@ A head is one decoder layer fed, per position, by a hidden state and the embeddi
   whose attention reads [normed embedding; normed hidden] (twice the width), its own norm and a reduced-vocabulary
   head whose draft id d is target id d + d2t[d].
 Deeper draft tokens feed the head's own output back as the hidden state (through fc for EAGLE-1, directly for
-EAGLE-3). A folder holds `config.json` and the weights as safetensors or `pytorch_model.bin` (read with
-weights_only=True); keys `fc.*` and `layers.0.*` (EAGLE-1) or `midlayer.*`, `norm.weight`, `lm_head.weight`,
-`d2t`, `t2d` (EAGLE-3); the embedding is the target's unless the folder has its own.
+EAGLE-3). A folder holds `config.json` and the weights as safetensors, `pytorch_model.bin` (read with
+weights_only=True) or compact (`compact.COMPACT_FILE`, dequantized on load); keys `fc.*` and `layers.0.*` (EAGLE-1) or
+`midlayer.*`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d` (EAGLE-3); the embedding is the target's unless the
+folder has its own.
 Knows head configs, weights and the forward; knows nothing of drafting policy, the engine or any UI.
 """
 
@@ -26,7 +27,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from . import attention
+from . import attention, compact
 from .compat import FIXED_ROPE, rope_kind, rope_of
 from .vocab import ReducedVocabHead
 
@@ -63,6 +64,8 @@ class HeadFolder:
 
 
 def _weight_keys(path: Path) -> frozenset[str]:
+    if path.suffix == ".gguf":
+        return frozenset(compact.shapes(path))
     if path.suffix == ".safetensors":
         from safetensors import safe_open
 
@@ -98,7 +101,7 @@ def read_head(source: str | Path) -> HeadFolder | None:
     if path is None:
         return None
     config_file = path / "config.json"
-    weights = next((path / name for name in WEIGHT_FILES if (path / name).is_file()), None)
+    weights = next((path / name for name in WEIGHT_FILES if (path / name).is_file()), None) or compact.weights_file(path)
     if not config_file.is_file() or weights is None:
         return None
     raw = json.loads(config_file.read_text())
@@ -163,7 +166,9 @@ def check_head(target_config, kind: str, cfg, own_embedding: bool, source: str |
 
 def weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Each tensor's shape in a head's weights file, read from its header (safetensors) or its pickle's metadata
-    (`pytorch_model.bin`, mapped onto the meta device): no tensor is read."""
+    (`pytorch_model.bin`, mapped onto the meta device) or the compact file's header: no tensor is read."""
+    if path.suffix == ".gguf":
+        return compact.shapes(path)
     if path.suffix == ".safetensors":
         from safetensors import safe_open
 
@@ -335,6 +340,8 @@ def load_head(folder: str | Path, target, device: torch.device, dtype: torch.dty
         from safetensors.torch import load_file
 
         state = load_file(str(head.weights))
+    elif head.weights.suffix == ".gguf":
+        state = compact.read(head.weights)
     else:
         state = torch.load(head.weights, map_location="cpu", weights_only=True)
     model = EagleHead(head.kind, head.config, target, head.draft_vocab, "embed_tokens.weight" in state,

@@ -1,10 +1,10 @@
 """Models: load a target/draft pair and run one forward under an attention plan.
 
 Loads Hugging Face causal LMs (the families `compat` accepts, decided from both configs and tokenizers before any
-weights load) from a local directory, a hub id (only when the operator allows the hub), or a directory holding one
-GGUF file. Chooses device, dtype and attention backend, and by measurement the dtype the target reads a prompt in;
-keeps a draft to the ids the pair's tokenizer defines. Never trusts remote code.
-Knows models and devices; knows nothing of drafting, verification or retrieval.
+weights load) from a local directory (its weights as safetensors, or compact: `compact`), a hub id (only when the
+operator allows the hub), or a directory holding one GGUF file. Chooses device, dtype and attention backend, and by
+measurement the dtype the target reads a prompt in; keeps a draft to the ids the pair's tokenizer defines.
+Never trusts remote code. Knows models and devices; knows nothing of drafting, verification or retrieval.
 """
 
 from __future__ import annotations
@@ -20,15 +20,16 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import (MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
+                          PreTrainedModel)
 from transformers.utils import logging as hf_logging
 
-from . import attention, fusion, heads, signal
+from . import attention, compact, fusion, heads, signal
 from .cache import KVCache
 from .compat import PairFacts, check_architecture, check_pair, context_length
 from .config import RetrievalSignal
 from .fusion import FUSED_ROWS, rms_norm
-from .vocab import check_vocab, keep_to_vocab, reduce_output_vocab
+from .vocab import check_vocab, keep_to_vocab, reduce_output_vocab, tokenizer_digest
 
 # oneDNN, which runs torch's bf16 matmuls on the CPU, keeps a compiled kernel per shape it met, 1,024 by default: a
 # bf16 prefill meets new ones at each prompt length (about 1 MB each on the AMX machine), so resident memory crept with
@@ -40,6 +41,9 @@ NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # on
 # silently run every forward without the cache
 TRANSFORMERS_MIN = (5, 24)
 SHARED_EMBEDDING = "shared_embedding"  # config key of a draft cut from its target: it takes the target's embedding
+# config key of a draft that ships no tokenizer and reads its target's: the digest (vocab.tokenizer_digest) of the one
+# it was trained on, which the target's must match
+SHARED_TOKENIZER = "shared_tokenizer"
 # CPU default: fp32. On the project's AVX2 machine (no native bf16) a bf16 forward of the 135M target ran
 # 4-5x slower than fp32 (README, "Exactness"); bf16 stays available with dtype="bfloat16".
 CPU_DTYPE = torch.float32
@@ -128,15 +132,27 @@ def load_model(
     without an embedding and takes `target`'s."""
     name, extra = _source_kwargs(source)
     with _quiet_load_report(cuts_from_target(Path(name))):  # its missing embedding is expected, not a fault
-        model = AutoModelForCausalLM.from_pretrained(
-            name, dtype=dtype, attn_implementation=attention.IMPLEMENTATION, trust_remote_code=False,
-            device_map=device_map, **extra,
-        )
+        model = from_pretrained(name, dtype=dtype, attn_implementation=attention.IMPLEMENTATION, device_map=device_map,
+                                **extra)
     share_embedding(model, target, source)
     reduce_output_vocab(model, Path(name))
     if device_map is None:
         model.to(device)
     return model.eval()
+
+
+def from_pretrained(name: str | Path, **kwargs) -> PreTrainedModel:
+    """`AutoModelForCausalLM.from_pretrained(name, **kwargs)`, never trusting remote code; a folder whose weights are
+    compact (`compact.weights_file`) gives the same model, built from its config and its tensors dequantized."""
+    weights = None if "gguf_file" in kwargs else compact.weights_file(name)
+    if weights is None:
+        return AutoModelForCausalLM.from_pretrained(str(name), trust_remote_code=False, **kwargs)
+    config = AutoConfig.from_pretrained(str(name), trust_remote_code=False)
+    model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(
+        None, config=config, state_dict=compact.read(weights), **kwargs)
+    if (Path(name) / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(str(name))
+    return model
 
 
 def cuts_from_target(folder: Path) -> bool:
@@ -362,7 +378,29 @@ def load_pair(
 def read_tokenizer(source: str | Path) -> Any:
     """A model source's tokenizer (a directory, a GGUF file or a folder holding one, or an allowed hub id)."""
     name, extra = _source_kwargs(source)
+    if not extra and shared_tokenizer(name) is not None:
+        raise ValueError(f"{source} ships no tokenizer: it reads its target's (config {SHARED_TOKENIZER!r}); read the "
+                         "target's tokenizer, or load the pair, which does")
     return AutoTokenizer.from_pretrained(name, trust_remote_code=False, **extra)
+
+
+def shared_tokenizer(folder: str | Path) -> str | None:
+    """The digest of the tokenizer a draft folder was trained on when it ships none and reads its target's (config
+    SHARED_TOKENIZER), else None."""
+    config = Path(folder) / "config.json"
+    return json.loads(config.read_text()).get(SHARED_TOKENIZER) if config.is_file() else None
+
+
+def draft_tokenizer(draft: str | Path, target_tokenizer: Any) -> Any:
+    """The target's tokenizer for a draft that reads its target's, once its digest matches the one the draft was
+    trained on (ValueError if not); None for a draft with a tokenizer of its own."""
+    digest = shared_tokenizer(draft)
+    if digest is None:
+        return None
+    if tokenizer_digest(target_tokenizer) != digest:
+        raise ValueError(f"{draft}: it reads its target's tokenizer, but was trained on another one than this "
+                         "target's (their ids differ); speculative decoding needs one shared tokenizer")
+    return target_tokenizer
 
 
 def read_pair(target: str | Path, draft: str | Path | None = None, tokenizer: Any = None) -> PairFacts:
@@ -381,7 +419,9 @@ def read_pair(target: str | Path, draft: str | Path | None = None, tokenizer: An
 
     head = heads.read_head(draft) if draft is not None else None
     if head is None:
-        return check_pair(read(target, tokenizer), read(draft) if draft is not None else None)
+        read_target = read(target, tokenizer)
+        read_draft = read(draft, draft_tokenizer(draft, read_target[1])) if draft is not None else None
+        return check_pair(read_target, read_draft)
     read_target = read(target, tokenizer)  # an EAGLE head ships no tokenizer: it reads the target's ids
     facts = check_pair(read_target, None)
     heads.check_folder(read_target[0], head, draft, str(target))  # its config and its weights' shapes

@@ -1,15 +1,19 @@
 """Vocabularies of a pair: a draft's output layer over some of the ids (its own frequency-ranked ones, or the ids the
-pair's tokenizer defines before an embedding's padding), and a draft's reading of ids past its embedding.
-Knows model heads and embeddings; knows nothing of loading, drafting or the engine.
+pair's tokenizer defines before an embedding's padding), a draft's reading of ids past its embedding, and a digest of a
+tokenizer's ids (what a draft that ships no tokenizer records of the one it was trained on).
+Knows model heads, embeddings and tokenizers' id tables; knows nothing of loading, drafting or the engine.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
+
+from .compat import id_table
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"  # a model folder's output vocabulary, {"size": N, "ids": [...]}
 
@@ -109,3 +113,9 @@ def check_vocab(target: PreTrainedModel, draft: PreTrainedModel) -> None:
     if t != d or target.config.vocab_size != draft.config.vocab_size:
         raise ValueError(f"the target's vocabulary ({t} tokens) and the draft's ({d} tokens) differ: "
                          "speculative decoding needs one shared tokenizer")
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """sha256 of a tokenizer's id table (`compat.id_table`, added tokens included): two tokenizers with one digest map
+    the same strings to the same ids, which is all a pair needs of them."""
+    return hashlib.sha256(json.dumps(sorted(id_table(tokenizer).items())).encode()).hexdigest()

@@ -400,17 +400,12 @@ def test_a_run_stopped_during_prefill_still_draws():
 
 
 def test_codec_tokenizes_with_the_chat_template_and_finds_the_document_and_the_needle():
-    from specextend.tools.bundled import draft_dir
+    from specextend.tools.bundled import target_dir
 
     from app.backend import Codec
-
-    try:
-        path = draft_dir()  # the committed draft carries the pair's tokenizer and chat template
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir()))  # the pair's tokenizer and chat template
     codec = Codec(tokenizer)
     needle = "The magic number of Doctor Pym is 4242."
     document = f"Once upon a time there was a long story. {needle} It went on and on, for pages and pages."

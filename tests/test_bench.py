@@ -1,4 +1,4 @@
-"""The benchmark end to end in --quick mode (tiny random-init models, the bundled draft's tokenizer): it writes
+"""The benchmark end to end in --quick mode (tiny random-init models, the bundled pair's tokenizer): it writes
 its table, JSON, CSV and figures, covers every method with the required fields, and stops on a greedy mismatch."""
 
 from __future__ import annotations

@@ -15,11 +15,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from safetensors import safe_open
-
+from specextend import compact
 from specextend.tools import bundled, needle
-from specextend.models import load_model
-from specextend.vocab import read_output_vocab
+from specextend.models import SHARED_TOKENIZER, load_model
+from specextend.vocab import read_output_vocab, tokenizer_digest
 
 # ---------------------------------------------------------------- needle (pure text)
 
@@ -160,12 +159,12 @@ def test_draft_dir_is_committed():
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"]
     assert cfg["vocab_size"] == 49152 and cfg["tie_word_embeddings"] is True
-    assert (d / "model.safetensors").stat().st_size < 45 * 2**20
-    with safe_open(str(d / "model.safetensors"), "pt") as f:
-        names = set(f.keys())
+    assert compact.weights_file(d).stat().st_size < 21 * 2**20  # its weights compact (8-bit blocks)
+    names = set(compact.shapes(compact.weights_file(d)))
     # a draft cut from the target ships without the embedding it takes from the target when loaded
     assert ("model.embed_tokens.weight" in names) != bool(cfg.get("shared_embedding"))
-    assert (d / "README.md").is_file() and (d / "tokenizer.json").is_file()
+    assert (d / "README.md").is_file() and not (d / "tokenizer.json").is_file()  # it reads the target's
+    assert len(cfg[SHARED_TOKENIZER]) == 64
     ids = read_output_vocab(d)  # the draft's output vocabulary
     assert ids is not None
     assert ids == sorted(set(ids)) and 0 <= ids[0] and ids[-1] < 49152 and len(ids) <= 16384
@@ -195,11 +194,9 @@ def test_cached_target_dir_is_fast(real_pair):
 
 def test_real_pair_shares_vocabulary_and_runs(real_pair):
     tok, target, draft = real_pair
-    from transformers import AutoTokenizer
-
-    dtok = AutoTokenizer.from_pretrained(bundled.draft_dir())
+    trained_on = json.loads((bundled.draft_dir() / "config.json").read_text())[SHARED_TOKENIZER]
     assert target.config.vocab_size == draft.config.vocab_size == 49152
-    assert dtok.get_vocab() == tok.get_vocab()
+    assert tokenizer_digest(tok) == trained_on  # the draft was trained on the target's tokenizer, which it reads
     assert draft.config.max_position_embeddings >= 512
     ids = tok.apply_chat_template([{"role": "user", "content": "Summarize: the cat sat on the mat."}],
                                   add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
@@ -233,7 +230,7 @@ def test_the_bundled_head_is_committed_and_reads_the_target():
     d = bundled.draft_dir(bundled.HEAD_NAME)
     head = read_head(d)
     assert head is not None and head.kind == "eagle3" and head.draft_vocab == 8192
-    assert (d / "model.safetensors").stat().st_size < 25 * 2**20 and (d / "README.md").is_file()
+    assert compact.weights_file(d).stat().st_size < 12 * 10**6 and (d / "README.md").is_file()  # issue 37's bar
     assert bundled.default_pair()[1] == d
     tdir = bundled.target_dir()
     from transformers import AutoModelForCausalLM, AutoTokenizer

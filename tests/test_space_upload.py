@@ -155,9 +155,9 @@ def looks_binary(path: Path) -> bool:
 def test_every_binary_or_large_tracked_file_is_marked_for_lfs_and_source_is_not():
     tracked = [f for f in git(ROOT, "ls-files", "-z").split("\0") if f and (ROOT / f).is_file()]
     binary = [f for f in tracked if looks_binary(ROOT / f) or (ROOT / f).stat().st_size >= 10 * 2**20]
-    assert any(f.endswith(".safetensors") for f in binary)
+    assert any(f.endswith(".gguf") for f in binary)  # the bundled drafts' compact weights
     marked = git(ROOT, "check-attr", "filter", "--", *tracked).splitlines()
     lfs = {line.split(": filter: ")[0] for line in marked if line.endswith(": filter: lfs")}
     assert set(binary) <= lfs
-    assert "assets/models/smollm2-135m-draft/tokenizer.json" in lfs
+    assert "assets/models/smollm2-135m-draft/model.gguf" in lfs
     assert not [f for f in lfs if f.endswith((".py", ".md", ".txt", ".sh"))]

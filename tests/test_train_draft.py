@@ -15,7 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scripts import train_draft
+from scripts import compact_weights, train_draft
+from specextend import compact
 from specextend.tools import bundled
 
 EOS = 2
@@ -134,8 +135,6 @@ def test_corpus_windows_are_one_sources_text_cut_and_cached(tmp_path, monkeypatc
 
 
 def test_a_draft_cut_from_the_target_ships_without_its_embedding_and_loads_with_the_target(tmp_path, monkeypatch):
-    from safetensors import safe_open
-
     from specextend.models import load_model
 
     target = tiny_llama()
@@ -155,8 +154,8 @@ def test_a_draft_cut_from_the_target_ships_without_its_embedding_and_loads_with_
     out = tmp_path / "draft"
     train_draft.save(draft, out, {"steps": 0}, sub=None)
     assert draft.model.embed_tokens.weight.dtype == torch.float32  # saving leaves the trained model alone
-    with safe_open(str(out / "model.safetensors"), "pt") as f:
-        names = set(f.keys())
+    names = set(compact.shapes(out / compact.COMPACT_FILE))  # its weights compact, no safetensors beside them
+    assert not (out / compact_weights.ORDINARY).exists()
     assert "model.layers.0.mlp.up_proj.weight" in names
     assert not names & {"model.embed_tokens.weight", "lm_head.weight"}
 
@@ -182,7 +181,7 @@ def training_target(folder):
                       tie_word_embeddings=True, bos_token_id=real.bos_token_id, eos_token_id=real.eos_token_id,
                       pad_token_id=real.pad_token_id)
     LlamaForCausalLM(cfg).save_pretrained(folder)
-    for name in train_draft.TOKENIZER_FILES:
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(bundled.target_dir() / name, folder / name)
 
 
@@ -202,9 +201,7 @@ def teacher_shards(folder, window: int):
 def test_a_training_run_draws_every_batch_kind_saves_a_loadable_draft_and_repeats_with_its_seed(tmp_path, monkeypatch):
     """The script end to end on a tiny target: every batch kind (on-policy answers, online and text windows,
     teacher rows, replay) trains, the counters add up, a seed repeats a run exactly, and --init continues it."""
-    from safetensors.torch import load_file
-
-    from specextend.models import load_model
+    from specextend.models import SHARED_TOKENIZER, load_model
     from specextend.vocab import read_output_vocab
 
     target = tmp_path / "target"
@@ -224,7 +221,7 @@ def test_a_training_run_draws_every_batch_kind_saves_a_loadable_draft_and_repeat
         monkeypatch.setattr("sys.argv", argv)
         train_draft.main()
         folder = tmp_path / out
-        return folder, json.loads((folder / "train_record.json").read_text()), load_file(folder / "model.safetensors")
+        return folder, json.loads((folder / "train_record.json").read_text()), compact.read(folder / compact.COMPACT_FILE)
 
     fresh = ["--layers", "1", "--hidden", "16", "--heads", "2", "--kv-heads", "1", "--ff", "32", "--vocab", "300",
              "--policy-share", "0.3", "--online-share", "0.3", "--text-share", "0.2", "--replay", "1",
@@ -237,6 +234,8 @@ def test_a_training_run_draws_every_batch_kind_saves_a_loadable_draft_and_repeat
     assert record["output_vocabulary"] == 300 and len(read_output_vocab(folder)) == 300
     draft = load_model(folder, torch.device("cpu"), torch.float32)
     assert draft.config.num_hidden_layers == 1 and draft.config.hidden_size == 16
+    config = json.loads((folder / "config.json").read_text())  # it ships no tokenizer: it reads its target's
+    assert config[SHARED_TOKENIZER] == compact_weights.target_digest(target) and not (folder / "tokenizer.json").exists()
 
     _, again, same = run("a-again", *fresh)
     assert again["log"][-1] == {**record["log"][-1], **{k: again["log"][-1][k] for k in ("minutes", "tok_per_s")}}

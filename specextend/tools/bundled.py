@@ -267,8 +267,8 @@ def target_dir(progress: Progress | None = None) -> Path:
 
 
 def draft_dir(name: str = DRAFT_NAME) -> Path:
-    """A committed draft: ``assets/models/<name>/`` (config, weights, card): the distilled draft model (with the pair's
-    tokenizer) by default, or the EAGLE-3 head (HEAD_NAME)."""
+    """A committed draft: ``assets/models/<name>/`` (config, compact weights, card): the distilled draft model by
+    default, or the EAGLE-3 head (HEAD_NAME). Neither ships a tokenizer: both read the target's (``target_dir``)."""
     path = ASSETS / "models" / name
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"the bundled draft is missing from {path}")

@@ -1,7 +1,7 @@
 """Benchmark: `python -m specextend.tools.bench [--quick] [--out results/]`.
 
 Measures the engine against its baselines on the bundled pair (or, with --quick, a check of the whole
-pipeline in seconds: a tiny random-init target with a copy of itself as the draft, the bundled draft's
+pipeline in seconds: a tiny random-init target with a copy of itself as the draft, the bundled pair's
 tokenizer, short inputs):
 
 - the grid: every method and SpecExtend ablation, plus transformers' own assisted generation on the same

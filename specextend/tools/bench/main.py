@@ -31,10 +31,10 @@ from .sections import (NeedleSection, NeedleSummary, long_output_section, needle
 
 
 def load(args) -> tuple[ModelPair, object, tuple[int, ...]]:
-    """(pair, tokenizer, stop ids): tiny random-init models with the bundled draft's tokenizer (--quick), or real
-    models."""
+    """(pair, tokenizer, stop ids): tiny random-init models with the bundled pair's tokenizer (--quick: the bundled
+    target's, prepared on first use), or real models."""
     if args.quick:  # the draft is a copy of the target, so drafts are accepted and every path runs
-        tokenizer = read_tokenizer(bundled.draft_dir())
+        tokenizer = read_tokenizer(bundled.target_dir())
         target = llama(QUICK_SHAPE, len(tokenizer), torch.float32, "cpu", seed=1, max_positions=4096)
         pair = make_pair(target, copy.deepcopy(target))
     else:
