@@ -47,5 +47,5 @@ def test_a_few_steps_bring_the_loss_down_on_the_targets_own_labels():
         opt.zero_grad()
         loss.backward()
         opt.step()
-    assert float(loss) < 0.7 * float(first)
+    assert loss.item() < 0.7 * first.item()
     assert all(p.grad is None for p in target.parameters())  # the target only labels
