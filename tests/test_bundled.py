@@ -187,7 +187,7 @@ def real_pair():
 def test_cached_target_dir_is_fast(real_pair):
     t = time.perf_counter()
     path = bundled.target_dir()
-    assert time.perf_counter() - t < 1.0
+    assert time.perf_counter() - t < 10.0, "the prepared target was prepared again (a conversion takes a minute)"
     record = json.loads((path / bundled.SOURCE_RECORD).read_text())
     assert record["gguf_sha256"] == bundled.GGUF_SHA256
 
