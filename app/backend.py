@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import Any, Callable, Iterator, Protocol, Sequence
@@ -93,6 +94,9 @@ class Loaded:
     draft_positions: int | None = None  # the draft's own context, where it is shorter than the target's
     close: Callable[[], None] | None = None  # frees what the pair holds beyond its models (called when it is dropped)
     granted: Click | None = None  # a click's whole plan in one GPU grant (a ZeroGPU Space: app/zerogpu.py)
+    # what `heads`' picture depends on: the target (its folder or hub id, its dtype) and the signals it outlines, not
+    # the draft; pairs that share it share their pictures ("": unknown, the pair's own)
+    heads_key: str = ""
 
     def for_click(self) -> Generate:
         """What one click's runs generate with: they read one prompt, so the target reads it once."""
@@ -112,13 +116,41 @@ def head_picture(pair, ids: list[int], span: tuple[int, int]):
     return map_heads(pair, ids, span, {f"{chosen.name} signal": chosen, "paper's signal": PAPER})
 
 
-HEAD_PICTURES = 8  # layer x head pictures a pair keeps, by prompt and span: needle runs on one input draw it once
+def heads_key(pair) -> str:
+    """What the pair's layer x head picture depends on (`Loaded.heads_key`): the target and its dtype, and the signals
+    `head_picture` outlines (the pair's default signal, calibrated for the target, and the paper's)."""
+    from specextend.signal import resolve
+
+    return f"{pair.target.config.name_or_path} ({pair.dtype}); outlined: {resolve('default', pair.calibrated)!r}"
 
 
-def head_pictures(pair) -> Callable[[list[int], tuple[int, int]], Any]:
-    """`head_picture` for `pair`, the last HEAD_PICTURES kept by prompt and span (each costs a prefill)."""
-    kept = lru_cache(maxsize=HEAD_PICTURES)(lambda ids, span: head_picture(pair, list(ids), span))
-    return lambda ids, span: kept(tuple(ids), tuple(span))
+HEAD_PICTURES = 8  # layer x head pictures kept, by target and input: needle runs on one input draw it once
+
+
+class HeadPictures:
+    """The needle tab's layer x head pictures, the last HEAD_PICTURES kept by the pair's `heads_key`, the prompt and the
+    span. Each costs a prefill of the target (~48 s for the bundled target on a CPU), and it reads the target alone:
+    a switch to a pair with the same target on the same input draws none."""
+
+    def __init__(self, size: int = HEAD_PICTURES) -> None:
+        self.size = size
+        self._kept: OrderedDict[tuple, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, loaded: Loaded, ids: Sequence[int], span: tuple[int, int], drawing: Callable[[], None] = lambda: None):
+        """The picture of `span` in `ids` for `loaded`'s target; `drawing` is called first when it must be drawn."""
+        key = (loaded.heads_key or loaded.choice.key, tuple(ids), tuple(span))
+        with self._lock:
+            if key in self._kept:
+                self._kept.move_to_end(key)
+                return self._kept[key]
+        drawing()
+        picture = loaded.heads(list(ids), tuple(span))  # outside the lock: a prefill
+        with self._lock:
+            self._kept[key] = picture
+            while len(self._kept) > self.size:
+                self._kept.popitem(last=False)
+        return picture
 
 
 class EngineFactory(Protocol):
@@ -165,9 +197,10 @@ def serve(choice: PairChoice, tokenizer: Any, pair) -> Loaded:
     # the runs' default bf16_prefill ("auto"), timed here once rather than in the first run
     dtype, reads = (str(d).replace("torch.", "") for d in (pair.dtype, prefill_dtype(pair.target)))
     return Loaded(choice, codec, partial(generate, pair), pair.max_positions, str(pair.device),
-                  dtype if reads == dtype else f"{dtype}, prompts read in {reads}", head_pictures(pair),
+                  dtype if reads == dtype else f"{dtype}, prompts read in {reads}", partial(head_picture, pair),
                   lambda: partial(generate, pair, shared=SharedPrefill()), shorter,
-                  partial(forget, tuple(weakref.ref(m) for m in (pair.target, pair.draft) if m is not None)))
+                  partial(forget, tuple(weakref.ref(m) for m in (pair.target, pair.draft) if m is not None)),
+                  heads_key=heads_key(pair))
 
 
 class PairCache:

@@ -12,8 +12,8 @@ from typing import Any, Mapping, Sequence
 from specextend.events import Event
 from specextend.metrics import new_tokens
 from visualizers import (
-    Decode, acceptance_spec, answer_html, exactness_html, far_html, needle_spec, output_html, retrieval_spec,
-    throughput_html, throughput_spec,
+    Decode, acceptance_spec, answer_html, exactness_html, far_html, guesses_html, needle_spec, output_html,
+    retrieval_spec, throughput_html, throughput_spec,
 )
 from visualizers.common import label, started, stop_reason
 from visualizers.steps import as_of, moment
@@ -96,9 +96,13 @@ def step_view(runs: Mapping[str, Sequence[Event]], method: str, step: int, decod
 
 
 def needle_view(runs: Mapping[str, Sequence[Event]], span: tuple[int, int], prompt_len: int, expected: str,
-                text: Decode) -> tuple[dict[str, Any], str]:
-    """The teaching tab: the needle-held grid and each run's answer (`text` decodes it for reading)."""
-    return needle_spec(runs, span, prompt_len), answer_html(runs, text, expected, span)
+                text: Decode, done: bool = False, stopped: bool = False) -> tuple[dict[str, Any], str]:
+    """The teaching tab: the needle-held grid and each run's answer (`text` decodes it for reading); once the click is
+    `done`, whether the draft's guesses changed between its caches (not compared where it was `stopped`)."""
+    answers = answer_html(runs, text, expected, span)
+    if done:
+        answers += guesses_html(runs, text, expected, stopped)
+    return needle_spec(runs, span, prompt_len, stopped), answers
 
 
 def status_html(lines: Sequence[str], error: str = "", details: str = "") -> str:

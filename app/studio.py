@@ -28,7 +28,7 @@ from visualizers.acceptance import forget_texts
 from visualizers.common import ending, label
 
 from . import documents
-from .backend import EngineFactory, Loaded, PairCache
+from .backend import EngineFactory, HeadPictures, Loaded, PairCache
 from .documents import DocumentError
 from .panels import machine_load, main_view, needle_view, status_html
 from .runner import Job, Knobs, Recent, RedrawMeter, build_config, replay, whole
@@ -78,6 +78,7 @@ class Studio(Stepping):
         self.trace_dir = Path(tempfile.mkdtemp(prefix="specextend-traces-"))
         self._exports, self._exported = threading.Lock(), itertools.count(1)
         self.generations = Recent(64)  # recent generation jobs' clocks, for the waiting user's estimate
+        self.pictures = HeadPictures()  # the needle tab's layer x head pictures, by target and input (not by pair)
 
     def preload(self) -> None:
         """Load the default pair now (before serving: a Space's first visitor should not wait for a download)."""
@@ -372,8 +373,8 @@ class Studio(Stepping):
             prompt = loaded.codec.prompt(planted.document, task, marks={"needle": planted.fact})
             self.check_input(loaded, prompt)
             if loaded.heads is not None and "needle" in prompt.marks and len(prompt.ids) < loaded.max_positions:
-                say("Reading where each of the target's heads looks (one prefill that keeps every head's queries)")
-                picture["map"] = loaded.heads(prompt.ids, prompt.marks["needle"])
+                picture["map"] = self.pictures.get(loaded, prompt.ids, prompt.marks["needle"], lambda: say(
+                    "Reading where each of the target's heads looks (one prefill that keeps every head's queries)"))
             return loaded.codec, prompt, loaded.max_positions, loaded.click()
 
         def configs(m: str, codec) -> GenerationConfig:  # both CMR runs are SpecExtend; they differ in the signal
@@ -385,11 +386,12 @@ class Studio(Stepping):
                 f"“{html.escape(planted.fact)}”<br><b>Question</b>: {html.escape(planted.question)}</div>")
 
         def draw(job: Job, runs, decode, charts: bool) -> list:
-            prompt = job.prompt
+            prompt, done = job.prompt, job.done.is_set()
+            stopped = done and job.stop_event.is_set()
             if prompt is None or "needle" not in prompt.marks:
-                return [info, needle_spec({}, (0, 0), 0), "", None, None, None, None]  # None: left as it is
+                return [info, needle_spec({}, (0, 0), 0, stopped), "", None, None, None, None]  # None: left as it is
             span = prompt.marks["needle"]
-            grid, answers = needle_view(runs, span, len(prompt.ids), planted.answer, job.codec.text)
+            grid, answers = needle_view(runs, span, len(prompt.ids), planted.answer, job.codec.text, done, stopped)
             answers += signal_html(runs)
             if not charts:
                 return [info, None, answers, None, None, None, None]

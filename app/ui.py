@@ -75,11 +75,11 @@ RACE_CHOICES = [("standard speculative decoding", "speculative"), ("lookup draft
 NEEDLE_INTRO = """
 ### Needle in a haystack: can the draft still see the fact?
 A one-sentence fact (the *needle*) is planted in a long document and the model is asked about it. The target reads
-the whole document, so its answer is the same in every run. But the draft only sees its small working cache: to
-guess the answer's tokens, the needle must be in it. **CMR** fills that cache with the chunks the target's attention
-scores highest; *which* attention is the retrieval signal. Three runs, same prompt, a retrieval after every step,
-and the same working-cache budget (the chunks you set × 32 tokens). StreamingLLM fills it to the token; CMR keeps
-whole chunks, and the newest of them is still being written, so it holds up to one chunk fewer:
+the whole document, so its answer is the same in every run. But a draft model only sees its small working cache: to
+guess the answer's tokens from the document, the needle must be in it. **CMR** fills that cache with the chunks the
+target's attention scores highest; *which* attention is the retrieval signal. Three runs, same prompt, a retrieval
+after every step, and the same working-cache budget (the chunks you set × 32 tokens). StreamingLLM fills it to the
+token; CMR keeps whole chunks, and the newest of them is still being written, so it holds up to one chunk fewer:
 
 - **CMR, the pair's chosen signal**: the heads and query rows calibrated for this target on the bundled documents
   (needles planted at several depths; the rows are the last tokens the target has read, at first the question), with
@@ -92,6 +92,14 @@ The picture of layers and heads shows why the paper's choice fails on this small
 needle sit in the middle layers and read it from the question's tokens; averaged over the final layer's heads for a
 single token, that signal is too weak, and recency wins the working cache. On larger targets, the final layer often
 does find it; the calibration is what tells.
+
+Holding the needle lets a draft guess the answer; it does not make it guess it. Under the answers, the page says from
+the runs just made whether the draft's guesses changed between the three caches, and why not where they did not.
+With the bundled pairs on this tab's defaults, what the target keeps of them does not change (and neither guesses a
+token of the needle's value): the small draft model does not read the fact back out of its cache, and an EAGLE head
+drafts from the target's own hidden states, which already carry the whole document. The paper's effect, a full draft
+cache that decays as the context grows, is expected with published drafts and heads on long inputs on the GPU
+presets. The model pair is this tab's own.
 """
 PACES = [("half a second a step", "0.5"), ("a second a step", "1"), ("two seconds a step", "2")]
 # a click on a step of the acceptance panel, or on a retrieval's row, moves the step control there (through the
@@ -280,6 +288,9 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
 
             with gr.Tab("Needle in a haystack (teaching)", id="needle"):
                 gr.Markdown(NEEDLE_INTRO)
+                n_pair = gr.Dropdown(label="Model pair", choices=[(p.label, p.key) for p in settings.pairs],
+                                     value=settings.default.key, elem_id="needle-pair",
+                                     info="this tab's own (the other tab's choice does not apply here)")
                 with gr.Row():
                     n_hay = gr.Dropdown(label="Haystack", choices=samples, value=samples[0][1] if samples else None,
                                         elem_id="needle-haystack")
@@ -334,7 +345,7 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
                api_visibility="private",  # the exact token count, now that the model is loaded
                ).then(**stepper_after)
         stop_btn.click(wired(studio.stop), state, status, api_name="stop", queue=False)
-        n_run.click(wired(studio.needle), [n_state, n_hay, n_length, n_depth, n_seed, n_topk, n_new, pair],
+        n_run.click(wired(studio.needle), [n_state, n_hay, n_length, n_depth, n_seed, n_topk, n_new, n_pair],
                     [n_status, n_info, n_grid, n_answers, n_heads, n_cmr, n_paper, n_stream], api_name="needle",
                     concurrency_limit=settings.concurrency, concurrency_id="generate", show_progress="minimal")
         n_stop.click(wired(studio.stop), n_state, n_status, api_name="needle_stop", queue=False)

@@ -40,7 +40,6 @@ import os
 import tempfile
 import threading
 from dataclasses import dataclass, replace
-from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
 from typing import Iterator, Mapping
@@ -48,7 +47,7 @@ from typing import Iterator, Mapping
 from specextend.config import GenerationConfig
 from specextend.events import Event
 
-from .backend import HEAD_PICTURES, Click, EngineFactory, Loaded, Plan
+from .backend import Click, EngineFactory, Loaded, Plan
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -150,9 +149,8 @@ def grant(loaded: Loaded, spaces: ModuleType, cost: GpuCost) -> Loaded:
 
     heads = None
     if loaded.heads is not None:
-        picture = spaces.GPU(duration=lambda ids, span: estimate_seconds(len(ids), 0, 1, cost))(loaded.heads)
-        kept = lru_cache(maxsize=HEAD_PICTURES)(lambda ids, span: picture(list(ids), span))
-        heads = lambda ids, span: kept(tuple(ids), tuple(span))  # noqa: E731  (kept by prompt and span, as off ZeroGPU)
+        # the Studio keeps the pictures drawn (backend.HeadPictures): a grant is asked for only to draw a new one
+        heads = spaces.GPU(duration=lambda ids, span: estimate_seconds(len(ids), 0, 1, cost))(loaded.heads)
     return replace(loaded, granted=Click(run), heads=heads)
 
 

@@ -181,6 +181,9 @@ def test_needle_teaching_tab_compares_two_signals_and_streaming(studio_url, brow
     default = "CMR, calibrated signal" if engine == "bundled" else "CMR, default signal"
     assert grid["y"] == [default, "CMR, paper signal", "StreamingLLM draft cache"] and len(grid["x"]) > 0
     assert page.inner_text("#needle-answers").count("\n") >= 3
+    # the tab says, from these runs, whether the draft's guesses changed between its caches; its pair is its own
+    assert "Did the draft's cache change its guesses?" in page.inner_text("#needle-answers")
+    assert page.locator("#needle-pair").is_visible() and "this tab's own" in page.inner_text("#needle-pair")
     if engine == "bundled":  # the calibrated signal's first working cache holds the whole needle
         held = page.evaluate("document.querySelector('#needle-plot .js-plotly-plot').data[0].z")
         assert held[0][0] == 1.0, held

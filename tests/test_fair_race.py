@@ -32,7 +32,8 @@ def race(studio, lookup: bool) -> tuple[dict, str]:
                           lookup=lookup)
     assert "Done." in last[0], last[0]
     began = {m: next(e for e in events if isinstance(e, Started)) for m, events in state.job.runs.items()}
-    return began, html.unescape(last[7])
+    readout = next(v for v in last if isinstance(v, str) and "tokens/s (incl. prefill)" in v)  # the speed table
+    return began, html.unescape(readout)
 
 
 @pytest.mark.parametrize("lookup", [True, False])
