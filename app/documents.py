@@ -4,6 +4,7 @@ Every refusal is a DocumentError whose message is shown to the user as is. Knows
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 
 ALLOWED_SUFFIXES = (".txt", ".md")
@@ -70,6 +71,19 @@ def check_text(text: str, max_chars: int) -> str:
     return text
 
 
+MIN_DOCUMENT_WORDS = 20  # the long-input workload reads a document: fewer words than this is not one
+
+
+def check_long_input(text: str) -> str:
+    """The text, if it is long enough to be read as a document (the long-input workload), else a DocumentError."""
+    words = len(text.split())
+    if words < MIN_DOCUMENT_WORDS:
+        raise DocumentError(f"The document is {words} word{'s' * (words != 1)} long: the long-input workload reads a "
+                            f"document of at least {MIN_DOCUMENT_WORDS} words and answers about it (pick a sample, paste "
+                            "or upload one). For a short prompt written on at length, choose the long-output workload.")
+    return text
+
+
 def samples() -> list[tuple[str, str]]:
     """(label, name) of the bundled sample documents; empty if the assets are not there."""
     from specextend.tools.bundled import documents
@@ -104,3 +118,19 @@ def sample_text(name: str) -> str:
     from specextend.tools.bundled import document
 
     return document(name).text()
+
+
+@lru_cache(maxsize=1)
+def _sample_tokens() -> dict[str, int]:
+    from specextend.tools.bundled import documents
+
+    try:
+        return {d.text(): d.tokens for d in documents()}
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+def sample_tokens(text: str) -> int | None:
+    """The token count the sample list shows, when `text` is a bundled sample as it is shipped: the document alone,
+    counted with the bundled target's tokenizer (assets/documents/manifest.json); None for any other text."""
+    return _sample_tokens().get(text)

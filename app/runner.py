@@ -112,6 +112,7 @@ class Job:
     runs: dict[str, list[Event]] = field(default_factory=dict)
     status: str = "Starting"
     notice: str = ""  # a word for the user that progress lines must not overwrite (Run pressed during the run)
+    about: str = ""  # what the click is, said before every status line and over the output (a replay: whose trace)
     error: str = ""
     codec: Codec | None = None
     prompt: Prompt | None = None
@@ -160,6 +161,13 @@ class Job:
         for method, event in click.run(self.prompt.ids, plan, self.stop_event):
             self.runs.setdefault(method, []).append(event)
             self.status = describe(method, event)
+
+    def not_run(self) -> dict[str, str]:
+        """Once the click has ended early (stopped, or failed): its methods that never started, each with why."""
+        why = "stopped" if self.stop_event.is_set() else "the click failed" if self.error else ""
+        if not why or not self.done.is_set():
+            return {}
+        return {m: why for m in self.methods if m not in self.runs}
 
     def snapshot(self) -> dict[str, list[Event]]:
         """A copy of the runs so far, safe to read while the thread appends."""
@@ -247,12 +255,15 @@ def replay(runs: dict[str, list[Event]], speed: float) -> Callable:
         events = runs[config.method]
         began = time.perf_counter()
         stop = stop or threading.Event()
+        played = 0.0  # the recorded run's clock as far as the replay has played it
         for event in events:
             if speed > 0:
                 stop.wait(max(0.0, event.t_s / speed - (time.perf_counter() - began)))
-            if stop.is_set():
-                yield Finished(event.t_s, 0.0, (), "stopped", 0, len(prompt_ids), "replay stopped")
+            if stop.is_set():  # stopped between two events: its clock stops where the replay had got to
+                now = min(event.t_s, (time.perf_counter() - began) * speed) if speed > 0 else played
+                yield Finished(max(played, now), 0.0, (), "stopped", 0, len(prompt_ids), "replay stopped")
                 return
+            played = event.t_s
             yield event
 
     return generate

@@ -6,12 +6,13 @@ how a run is started.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+import math
+from typing import TYPE_CHECKING, Any, Callable
 
 from visualizers.common import label
 from visualizers.steps import last_step, step_html
 
-from .panels import step_view
+from .panels import about_html, step_view
 from .runner import Job
 from .updates import KEEP, Update, figure
 
@@ -19,7 +20,19 @@ if TYPE_CHECKING:
     from .studio import SessionState
 
 STEP_PANELS = 7  # what moving the step control redraws: output, exactness, retrieval, far, acceptance, speed, step
-PLAY, PAUSE = "▶ play", "⏸ pause"  # the play button's label while paused, and while playing
+PLAY, PAUSE = "▶ play", "❚❚ pause"  # the play button's label while paused, and while playing (glyphs DejaVu Sans has)
+
+
+def whole_step(value: Any) -> int | None:
+    """A step as the page sends it (a number typed into the slider's box, or text) rounded to a whole one (half up);
+    None when it is no number. Typed values are not checked against the slider's range before they arrive here."""
+    if value is None or value == "":
+        return 0
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return math.floor(number + 0.5) if math.isfinite(number) else None
 
 
 class Stepping:
@@ -33,30 +46,35 @@ class Stepping:
 
     @staticmethod
     def hide_stepper() -> tuple:
-        """While a run or a replay goes: the step control hidden, its timer stopped, its play button paused."""
-        return Update(visible=False), Update(active=False), PLAY, False
+        """While a run or a replay goes: the step control hidden, its timer stopped, its play button paused, and the
+        trace download hidden (the run's last answer brings its trace)."""
+        return Update(visible=False), Update(active=False), PLAY, False, Update(visible=False)
 
     def stepper(self, state: SessionState) -> tuple:
-        """After a run or a replay: the step control over its runs, on the main run at its last step."""
+        """After a run or a replay: the step control over its runs, on the main run at its last step, and the trace
+        download shown (both hidden when nothing ran)."""
         job = self._finished(state)
         if job is None:
-            return Update(visible=False), KEEP, KEEP, ""
+            return Update(visible=False), KEEP, KEEP, "", Update(visible=False)
         runs = job.runs
         primary = job.methods[0] if job.methods and job.methods[0] in runs else next(iter(runs))
         last = last_step(runs[primary])
         return (Update(visible=True), Update(choices=tuple((label(m), m) for m in runs), value=primary),
-                Update(minimum=0, maximum=max(last, 1), value=last), step_html(runs[primary], last, job.codec.text))
+                Update(minimum=0, maximum=max(last, 1), value=last), step_html(runs[primary], last, job.codec.text),
+                Update(visible=True))
 
     def at_step(self, state: SessionState, method: str, step: float) -> tuple:
-        """Every panel as of `step` of the run `method`, and that step in words (STEP_PANELS' order)."""
+        """Every panel as of `step` of the run `method` (rounded, and kept within the run), and that step in words
+        (STEP_PANELS' order)."""
         job = self._finished(state)
         runs = job.runs if job is not None else {}
-        if method not in runs:
+        at = whole_step(step)
+        if method not in runs or at is None:
             return (KEEP,) * STEP_PANELS
-        step = max(0, min(int(step or 0), last_step(runs[method])))
-        view = step_view(runs, method, step, job.codec.decode, job.codec.text)
-        return (view.output, view.exactness, figure(view.retrieval), view.far, figure(view.acceptance),
-                figure(view.throughput), step_html(runs[method], step, job.codec.text))
+        step = max(0, min(at, last_step(runs[method])))
+        view = step_view(runs, method, step, job.codec.decode, job.codec.text, not_run=job.not_run())
+        return (about_html(job.about) + view.output, view.exactness, figure(view.retrieval), view.far,
+                figure(view.acceptance), figure(view.throughput), step_html(runs[method], step, job.codec.text))
 
     def _last(self, state: SessionState, method: str) -> int:
         job = self._finished(state)
@@ -64,12 +82,22 @@ class Stepping:
         return last_step(runs[method]) if method in runs else 0
 
     def step_by(self, delta: int) -> Callable[..., tuple]:
-        """A handler that moves the control `delta` steps (within the run) and redraws."""
+        """A handler that moves the control `delta` steps (within the run) and redraws; with 0, it follows a step typed
+        or dragged: rounded and kept within the run, the control is set to the step shown where the two differ (12.5,
+        999 or -5 typed), so the box, the slider and the panels agree."""
         def move(state: SessionState, method: str, step: float) -> tuple:
-            target = max(0, min(int(step or 0) + delta, self._last(state, method)))
-            return (target, *self.at_step(state, method, target))
+            at = whole_step(step)
+            if at is None:  # no number: nothing moves
+                return (KEEP,) * (STEP_PANELS + 1)
+            return self._go(state, method, at + delta, step if delta == 0 else None)
 
         return move
+
+    def _go(self, state: SessionState, method: str, at: int, shown: Any = None) -> tuple:
+        """The control set to step `at`, kept within the run, and every panel redrawn there; the control is left as
+        it is where it already shows that step (`shown`: what it showed), so a drag is not pulled back."""
+        target = max(0, min(at, self._last(state, method)))
+        return (KEEP if target == shown else target, *self.at_step(state, method, target))
 
     def pick_run(self, state: SessionState, method: str) -> tuple:
         """The control follows the run picked: its steps, at its last one."""
@@ -78,22 +106,22 @@ class Stepping:
 
     def jump(self, state: SessionState, method: str, value: str) -> tuple:
         """A click on a panel asked for a step (`step:nonce`, so the same step twice is two changes)."""
-        try:
-            step = int(str(value).split(":")[0])
-        except ValueError:
+        step = whole_step(str(value).split(":")[0])
+        if step is None:
             return (KEEP,) * (STEP_PANELS + 1)
-        return self.step_by(0)(state, method, step)
+        return self._go(state, method, step)
 
     def play(self, state: SessionState, method: str, step: float, pace: str, playing: bool) -> tuple:
         """Play (from the start when at the end) or pause: the timer, the button's label, whether playing, the step."""
         if playing:
             return Update(active=False), PLAY, False, KEEP
-        start = 0 if int(step or 0) >= self._last(state, method) else int(step or 0)
+        at = whole_step(step) or 0
+        start = 0 if at >= self._last(state, method) else max(0, at)
         return Update(value=float(pace), active=True), PAUSE, True, start
 
     def tick(self, state: SessionState, method: str, step: float) -> tuple:
         """One step on while playing; at the last step the timer stops."""
         moved = self.step_by(1)(state, method, step)
-        done = moved[0] >= self._last(state, method)
+        done = not isinstance(moved[0], int) or moved[0] >= self._last(state, method)  # no number: nothing to play
         stop = (Update(active=False), PLAY, False) if done else (KEEP, KEEP, True)
         return (*moved, *stop)

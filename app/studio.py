@@ -30,12 +30,12 @@ from visualizers.common import ending, label
 from . import documents
 from .backend import EngineFactory, HeadPictures, Loaded, PairCache
 from .documents import DocumentError
-from .panels import machine_load, main_view, needle_view, status_html
+from .panels import View, about_html, machine_load, main_view, needle_view, nothing_ran, status_html, status_text
 from .runner import Job, Knobs, Recent, RedrawMeter, build_config, replay, whole
 from .settings import Settings
 from .stepping import Stepping
 from .trace import TraceError, dumps, loads
-from .updates import KEEP, Figure, Update
+from .updates import KEEP, Figure, Update, figure
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +46,21 @@ WORKLOADS = [("long input: read a document, write a short answer", "document"),
 RUN_IS_GOING = "A run is going in this tab: Run starts nothing until it ends. Press Stop to end it sooner."
 STOPPING = "Stopping: the run ends after the current step (or prefill block)."
 STOP_WAIT_S = 5.0  # Stop waits this long for the run to end, so that its answer cannot land after the run's last word
-NOTHING_RAN = "<div class='se-muted'>Nothing was generated: the status above says why.</div>"
+READY = "Ready: a sample document is loaded. Press Run, or pick, paste or upload another."
 KEEP_TRACES = 64  # exported trace files kept on disk (gradio's cache of them is swept hourly)
 KNOB_NAMES = tuple(f.name for f in fields(Knobs))  # the knob widgets' values reach `run` in this order
 Draw = Callable[[Job, dict, Callable, bool], list]  # (job, runs so far, decode, charts due) -> each panel's value
+
+
+def said(lines: list[str], error: str = "", details: str = "") -> tuple[str, str]:
+    """The status twice: as the page shows it (HTML, `details` folded away) and as API callers read it (plain text)."""
+    return status_html(lines, error, details), status_text(lines, error)
+
+
+def panels(view: View) -> tuple:
+    """The main tab's panels as a handler answers them, in the order the page lists them (output to speed table)."""
+    return (view.output, view.exactness, figure(view.retrieval), view.far, figure(view.acceptance),
+            figure(view.throughput), view.readout)
 
 
 class SessionState:
@@ -58,10 +69,17 @@ class SessionState:
 
     def __init__(self) -> None:
         self.job: Job | None = None
+        self.refusal = ""  # why this tab's last click was refused before any job began ("" when it was not)
 
     def stop(self) -> None:
         if self.job is not None:
             self.job.stop()
+
+    def refused(self) -> bool:
+        """Whether this tab's last click was refused (its status says why and nothing ran): before its job began, or
+        by its job before any run started (a prompt over the model's limit)."""
+        job = self.job
+        return bool(self.refusal) or (job is not None and job.done.is_set() and bool(job.error) and not job.runs)
 
     @staticmethod
     def close(state: SessionState) -> None:
@@ -141,16 +159,23 @@ class Studio(Stepping):
             return "<div class='se-muted'>No document yet: pick a sample, paste text, or upload a .txt/.md file.</div>"
         try:
             documents.check_text(text, self.settings.max_document_chars)  # before counting: oversized text costs nothing
-            loaded = self.pairs.peek(self.settings.pair(pair_key))
+            choice = self.settings.pair(pair_key)
+            loaded = self.pairs.peek(choice)
         except ValueError as exc:
             return f"<div class='se-bad'>{html.escape(str(exc))}</div>"
+        # the tokens of the document alone, as the sample list counts them (the prompt adds the template and the task)
         if loaded is None:
-            return (f"<div class='se-muted'>{len(text):,} characters, about {len(text) // 4:,} tokens (estimated; the "
-                    "exact count and the model's limit show once the model is loaded).</div>")
-        # one tokenization: what a run checks is the whole prompt (the template and a task around the document), here
-        # with the default task; the document's own tokens are its span in it
+            known = documents.sample_tokens(text)
+            if known is not None:
+                whose = "" if choice.bundled else "; this pair's own count shows once it is loaded"
+                return (f"<div class='se-muted'>{len(text):,} characters, {known:,} tokens in the document (the bundled "
+                        f"target's tokenizer{whose}); the model's limit shows once it is loaded.</div>")
+            return (f"<div class='se-muted'>{len(text):,} characters, about {len(text) // 4:,} tokens in the document "
+                    "(estimated at four characters a token; the exact count and the model's limit show once the model "
+                    "is loaded).</div>")
+        # what a run checks is the whole prompt (the template and a task around the document), here with the default task
         prompt = loaded.codec.prompt(text, DEFAULT_TASK)
-        n = prompt.document_span[1] - prompt.document_span[0]
+        n = loaded.codec.count(text)
         limit, what = self.input_limit(loaded)
         over = len(prompt.ids) > limit
         style = "se-bad" if over else "se-muted"
@@ -159,7 +184,8 @@ class Studio(Stepping):
         draft = (f" The draft was trained on {shorter:,} positions: SpecExtend and StreamingLLM keep its working "
                  "positions within them; plain speculative decoding runs it past them, as the paper's baseline does."
                  if shorter is not None and n > shorter and not over else "")
-        return f"<div class='{style}'>{len(text):,} characters, {n:,} tokens · {what}{note}{draft}</div>"
+        return (f"<div class='{style}'>{len(text):,} characters, {n:,} tokens in the document ({len(prompt.ids):,} in the "
+                f"prompt, with the chat template and the task) · {what}{note}{draft}</div>")
 
     def input_limit(self, loaded: Loaded) -> tuple[int, str]:
         """The most prompt tokens a run may read, and how to say it: the server's cap (`check_input` refuses a
@@ -193,12 +219,14 @@ class Studio(Stepping):
                 raise ValueError("The task is empty: say what to do with the document (for example, summarize it).")
             if workload not in {value for _, value in WORKLOADS}:
                 raise ValueError(f"the workload is 'document' (a long input) or 'long_output', got {workload!r}")
+            if workload == "document":
+                documents.check_long_input(text)
             choice = self.settings.pair(pair) if pair else self.settings.default
             knobs = Knobs(max_new_tokens, chunk_size, top_k, retrieve_every, shape, k, max_depth, node_budget,
                           temperature, seed, lookup, signal)
             build_config(method, knobs, (), self.settings.max_new_tokens, lookup=True)  # refuse nonsense before loading
         except ValueError as exc:
-            yield self._idle(str(exc))
+            yield self._refused(state, str(exc))
             return
         methods = [method] + [m for m in race or [] if m != method]
 
@@ -215,7 +243,7 @@ class Studio(Stepping):
             # the methods alone make of those sources (the paper's comparison)
             return build_config(m, knobs, codec.eos_ids, self.settings.max_new_tokens, lookup=True)
 
-        state.job = Job(methods, configs, prepare).start()
+        state.refusal, state.job = "", Job(methods, configs, prepare).start()
         self.generations.append(state.job)
         yield from self._stream(state.job, self._main_draw(method), {"pair": choice.label, "task": task, "primary": method,
                                                                      "workload": workload}, chart_every)
@@ -230,9 +258,9 @@ class Studio(Stepping):
             if size > self.settings.max_trace_bytes:
                 raise TraceError(f"it is {size / 1024:,.0f} KB; this server replays traces up to "
                                  f"{self.settings.max_trace_bytes / 1024:,.0f} KB")
-            runs, codec, meta = loads(Path(trace).read_text(encoding="utf-8"))
+            runs, codec, meta = loads(Path(trace).read_text(encoding="utf-8"), self.settings.max_new_tokens)
         except (TraceError, OSError, UnicodeDecodeError) as exc:
-            yield self._idle(f"Cannot replay this file: {exc}")
+            yield self._refused(state, f"Cannot replay this file: {exc}")
             return
         if not codec.table:  # a plain engine trace carries no token text: borrow a loaded tokenizer if any
             loaded = self.pairs.peek(self.settings.default)
@@ -249,7 +277,10 @@ class Studio(Stepping):
             pace_factor = 1.0 if pace == "recorded pace" else 0.0
             return codec, Prompt(prompt_ids, (0, len(prompt_ids))), float("inf"), replay(runs, pace_factor)
 
-        state.job = Job(list(runs), lambda m, c: preset(m), prepare).start()
+        when = f"recorded on {meta['recorded']}" if meta.get("recorded") else "recorded on a date the file does not say"
+        about = (f"Replay of a trace {when}" + (f", {meta['pair']}" if meta.get("pair") else "")
+                 + ": no model runs; the panels show the recorded runs.")
+        state.refusal, state.job = "", Job(list(runs), lambda m, c: preset(m), prepare, about=about).start()
         yield from self._stream(state.job, self._main_draw(primary, lambda: recorded), {**meta, "replayed": True},
                                 chart_every)
 
@@ -258,20 +289,37 @@ class Studio(Stepping):
         it has not (waiting a little first), so the answer never lands after that last word and stays."""
         job = state.job
         if job is None or job.done.is_set():
-            return status_html(["Nothing is running."])
+            return said(["Nothing is running."])
         state.stop()
-        return KEEP if job.done.wait(STOP_WAIT_S) else status_html([STOPPING])
+        return (KEEP, KEEP) if job.done.wait(STOP_WAIT_S) else said([STOPPING])
+
+    def input_changed(self, state: SessionState) -> tuple:
+        """The document, the sample, the upload or the workload changed: a refusal of the last click no longer
+        applies, so the status says the page is ready again (any other status stays: it tells of the runs shown)."""
+        if not state.refused():
+            return KEEP, KEEP
+        state.refusal, state.job = "", None  # the refused click left nothing to keep
+        return said([READY])
 
     def _idle(self, error: str, outputs: int = 8) -> tuple:
-        return (status_html([], error), *[KEEP] * outputs)
+        return (*said([], error), *[KEEP] * outputs)
+
+    def _refused(self, state: SessionState, error: str) -> tuple:
+        """A main-tab click refused before its job began: the status says why, and every panel that showed an earlier
+        run says that nothing ran (no earlier run is left looking like this click's answer); no trace to download."""
+        state.stop()
+        state.refusal, state.job = error, None
+        return (*said([], error), *panels(nothing_ran()), None)
 
     def _main_draw(self, primary: str, load: Callable[[], float | None] = machine_load) -> Draw:
         """`load`: the load per core of the machine the runs ran on, read when they end (a replay's: its trace's)."""
         def draw(job: Job, runs, decode, charts: bool) -> list:
+            done = job.done.is_set()
             view = main_view(runs, primary, decode, charts, text=job.codec.text if job.codec else None,
-                             load=load() if job.done.is_set() else None)
-            if job.done.is_set() and not runs:  # refused or stopped before any run began: nothing is coming
-                view = replace(view, output=NOTHING_RAN)
+                             load=load() if done else None, not_run=job.not_run())
+            if done and not runs:  # refused or stopped before any run began: nothing is coming
+                view = nothing_ran()
+            view = replace(view, output=about_html(job.about) + view.output)
             return [view.output, view.exactness, view.retrieval, view.far, view.acceptance, view.throughput, view.readout]
 
         return draw
@@ -309,10 +357,10 @@ class Studio(Stepping):
             meter.drew()
             if export is not None:
                 download = KEEP
-                if finished and runs:  # after the run: not counted as drawing cost
-                    download = Update(value=self._export(runs, decode, export), visible=True)
+                if finished and runs:  # after the run: not counted as drawing cost; the page shows the button then
+                    download = self._export(runs, decode, export)
                 values.append(download)
-            yield (status_html(self._status(job, runs, finished), job.error, meter.line()), *values)
+            yield (*said(self._status(job, runs, finished), job.error, meter.line()), *values)
             meter.resumed()
             if finished:
                 return
@@ -323,15 +371,17 @@ class Studio(Stepping):
         that) and any notice; at the end, how it ended and how each run ended."""
         stopped = job.stop_event.is_set()
         if not finished:
-            return [STOPPING if stopped else job.status, job.notice]
+            return [job.about, STOPPING if stopped else job.status, job.notice]
         head = "" if job.error else "Stopped, as asked: the panels show the runs as far as they got." if stopped else "Done."
-        return [head, *(f"{label(m)}: {ending(ev)}" for m, ev in runs.items())]
+        return [head, job.about, *(f"{label(m)}: {ending(ev)}" for m, ev in runs.items()),
+                *(f"{label(m)}: did not run ({why})" for m, why in job.not_run().items())]
 
     def _export(self, runs, decode, meta: dict[str, Any]) -> str:
         """Write the trace for download under a name no other export takes; only the most recent KEEP_TRACES files
         are kept. Runs finishing at once export one at a time (one sweeping while another writes lost a file). A live
         run's trace records this machine's load (a replay keeps its trace's), so its replay says whether it was busy."""
-        text = dumps(runs, decode, meta if meta.get("replayed") else {**meta, "machine_load": machine_load()})
+        recorded = {"machine_load": machine_load(), "recorded": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        text = dumps(runs, decode, meta if meta.get("replayed") else {**meta, **recorded})
         with self._exports:
             number = next(self._exported)
             path = self.trace_dir / f"specextend-trace-{time.strftime('%Y%m%d-%H%M%S')}-{number}.json"

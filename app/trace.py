@@ -67,13 +67,15 @@ MAX_TOKEN_ID = 2**31 - 1  # larger than any vocabulary
 MAX_RUN_S = 86_400.0  # a run's clock reads at most a day: later times are not a recorded run's (replay waits on them)
 TIME_SLACK_S = 1e-3  # a phase's time and the clock are read a moment apart
 MAX_LOAD = 1_000.0  # the largest load per core a recorded machine_load may say
+MAX_META_CHARS = 300  # the longest meta text shown on the page (the pair's label, the date it was recorded)
 
 
-def loads(text: str) -> tuple[dict[str, list[Event]], TableCodec, dict[str, Any]]:
+def loads(text: str, max_new_tokens: int | None = None) -> tuple[dict[str, list[Event]], TableCodec, dict[str, Any]]:
     """(runs by method, a codec for their tokens, meta) from a studio trace or a plain engine trace. Everything
     is checked before anything is replayed: types and ranges per field (events.from_dict), then each run's
-    structure and times (`check_run`) and the recorded machine's load in meta; the first problem is a TraceError
-    that says where it is."""
+    structure and times (`check_run`), the recorded machine's load and the texts the page shows in meta, and, given
+    the server's `max_new_tokens`, that no run asked for or wrote more (`check_limits`); the first problem is a
+    TraceError that says where it is."""
     try:
         data = json.loads(text)
     except RecursionError:
@@ -101,7 +103,28 @@ def loads(text: str) -> tuple[dict[str, list[Event]], TableCodec, dict[str, Any]
     if load is not None and (isinstance(load, bool) or not isinstance(load, (int, float)) or not 0 <= load <= MAX_LOAD):
         raise TraceError(f"'meta.machine_load' should be the recorded machine's load per core, a number from 0 to "
                          f"{MAX_LOAD:,.0f}, got {load!r:.40}")
+    for key in ("pair", "recorded"):  # shown on the page while the trace replays
+        said = meta.get(key)
+        if said is not None and (not isinstance(said, str) or len(said) > MAX_META_CHARS):
+            raise TraceError(f"'meta.{key}' should be text of up to {MAX_META_CHARS} characters, got {said!r:.40}")
+    if max_new_tokens is not None:
+        check_limits(runs, max_new_tokens)
     return runs, TableCodec(table), meta
+
+
+def check_limits(runs: Mapping[str, Sequence[Event]], max_new_tokens: int) -> None:
+    """What this server lets a run do: a run that asked for more new tokens than `max_new_tokens`, or wrote more,
+    is not one of its runs (the panels are sized by what a run asked for)."""
+    for method, events in runs.items():
+        asked = events[0].config.get("max_new_tokens")  # events[0] is the run's Started event (check_run)
+        if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int) or not 1 <= asked <= max_new_tokens):
+            raise TraceError(f"the {method} run asked for {asked!r:.30} new tokens, but this server runs from 1 to "
+                             f"{max_new_tokens:,} (its operator sets SPECEXTEND_MAX_NEW_TOKENS)")
+        wrote = max([len(e.token_ids) for e in events if isinstance(e, ev.Finished)]
+                    + [e.total_new for e in events if isinstance(e, Verified)], default=0)
+        if wrote > max_new_tokens:
+            raise TraceError(f"the {method} run wrote {wrote:,} new tokens, but this server runs at most "
+                             f"{max_new_tokens:,} (its operator sets SPECEXTEND_MAX_NEW_TOKENS)")
 
 
 def _studio(data: dict) -> tuple[dict[str, list[Event]], dict[int, str], dict[str, Any]]:

@@ -22,7 +22,7 @@ from .panels import status_html
 from .runner import Knobs
 from .settings import Settings
 from .stepping import PLAY
-from .studio import DEFAULT_TASK, KNOB_NAMES, WORKLOADS, SessionState, Studio
+from .studio import DEFAULT_TASK, KNOB_NAMES, READY, WORKLOADS, SessionState, Studio
 from .updates import Figure, Keep, Update
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,8 @@ CSS = """
 .se-guess { color: #e76f51; margin-left: 2px; }
 .se-step { font-size: 14px; padding: 6px 10px; background: #f7f9fb; border-left: 4px solid #e9c46a; border-radius: 4px; }
 .se-hidden { display: none !important; }
+.se-about { font-size: 14px; padding: 6px 10px; margin-bottom: 6px; background: #eef4ff; border-left: 4px solid #2a6fdb;
+  border-radius: 4px; }
 .se-needle { font-size: 14px; padding: 8px 12px; background: #fff8e1; border-left: 4px solid #e9c46a; border-radius: 4px; }
 """
 
@@ -163,6 +165,25 @@ def wired(handler: Callable) -> Callable:
     return call
 
 
+def refuse_quietly(demo: gr.Blocks) -> None:
+    """Values a request's inputs cannot be read into (a number over a control's maximum, a choice it does not offer, a
+    file input that is not a file) are the caller's mistake, not the app's: gradio still answers with its message, and
+    the log gets one line for it instead of a traceback. Only the reading of inputs, before any handler, is covered."""
+    read = demo.preprocess_data
+
+    @functools.wraps(read)
+    async def checked(block_fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await read(block_fn, *args, **kwargs)
+        except Exception as exc:  # whatever gradio raised reading the inputs: the request's error, said in one line
+            message = " ".join(str(getattr(exc, "message", exc)).split())
+            log.warning("refused a request to %s (%s): %.300s", block_fn.api_name or block_fn.name, type(exc).__name__,
+                        message)
+            raise gr.Error(message, print_exception=False) from None
+
+    demo.preprocess_data = checked
+
+
 def build_app(factory: EngineFactory = real_factory, settings: Settings | None = None) -> gr.Blocks:
     """The whole app, wired to `factory`; nothing is loaded until a run asks for it, unless the settings preload the
     default pair (as a ZeroGPU Space always does: `zerogpu.adapt`)."""
@@ -172,35 +193,41 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
         studio.preload()
     k = Knobs()
     with gr.Blocks(title="SpecExtend Studio", fill_width=True, delete_cache=(3600, 3600)) as demo:
-        state = gr.State(SessionState, delete_callback=SessionState.close)  # the Long-document tab's runs
-        n_state = gr.State(SessionState, delete_callback=SessionState.close)  # the needle tab's own
+        # each tab's session state, copied for every browser tab (an instance, not a class: gradio would make a class
+        # into a public API endpoint that makes one)
+        state = gr.State(SessionState(), delete_callback=SessionState.close)  # the Long-document tab's runs
+        n_state = gr.State(SessionState(), delete_callback=SessionState.close)  # the needle tab's own
         gr.Markdown(INTRO)
         with gr.Tabs():
             with gr.Tab("Long input or long output", id="main"):
                 with gr.Row(equal_height=False):
                     with gr.Column(scale=1, min_width=340):
                         samples = documents.samples()
+                        first = samples[0][1] if samples else None  # selected as the page opens: Run runs at once
+                        text = documents.sample_text(first) if first else ""
                         workload = gr.Radio(WORKLOADS, value="document", label="Workload", elem_id="workload",
                                             info="the paper's two: a long document read for a short answer, or a "
                                                  "short prompt written on for thousands of tokens")
                         with gr.Row(equal_height=True):
-                            sample = gr.Dropdown(label="Sample document", choices=samples, value=None, scale=3,
+                            sample = gr.Dropdown(label="Sample document", choices=samples, value=first, scale=3,
                                                  elem_id="sample", info="public-domain texts shipped with the app")
                             prompt_sample = gr.Dropdown(label="Sample prompt", choices=documents.prompts(), value=None,
                                                         scale=3, elem_id="prompt-sample", visible=False,
                                                         info="short prompts shipped with the app")
                             upload = gr.UploadButton("Upload .txt / .md", file_types=[".txt", ".md"], type="filepath",
                                                      scale=1, size="sm", elem_id="upload")
-                        document = gr.Textbox(label="Document", lines=6, max_lines=10, elem_id="document",
+                        document = gr.Textbox(text, label="Document", lines=6, max_lines=10, elem_id="document",
                                               placeholder="…or paste a long document here")
-                        doc_info = gr.HTML(studio.document_info("", settings.default.key), elem_id="doc-info",
+                        doc_info = gr.HTML(studio.document_info(text, settings.default.key), elem_id="doc-info",
                                            label="document readout")
                         task = gr.Textbox(label="Task", value=DEFAULT_TASK, lines=1, elem_id="task")
                         with gr.Row():
                             run_btn = gr.Button("Run", variant="primary", elem_id="run")
                             stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
-                        status = gr.HTML(status_html(["Ready: pick a sample document and press Run."]), elem_id="status",
-                                         label="status")
+                        status = gr.HTML(status_html([READY if first else "Ready: paste or upload a document and "
+                                                      "press Run."]), elem_id="status", label="status")
+                        # the status as plain text, for the API's callers (the page shows the HTML above)
+                        status_text = gr.Textbox(visible=False, label="status_text")
                         pair = gr.Dropdown(label="Model pair", choices=[(p.label, p.key) for p in settings.pairs],
                                            value=settings.default.key, elem_id="pair")
                         method = gr.Radio(label="Method", choices=METHOD_CHOICES, value="specextend", elem_id="method")
@@ -226,21 +253,23 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
                                                 step=1, label="max new tokens", elem_id="max-new",
                                                 info=f"up to {settings.max_new_tokens:,} on this server")
                             with gr.Row():
-                                chunk = gr.Number(k.chunk_size, label="chunk size (tokens)", precision=0)
-                                top_k = gr.Number(k.top_k, label="top-k chunks kept", precision=0)
-                                every = gr.Number(k.retrieve_every, label="retrieve every (steps)", precision=0)
+                                # whole-number knobs take what is typed as it is (precision 0 rounded 1.5 to 2 out of
+                                # sight): the Studio refuses a fraction and says so
+                                chunk = gr.Number(k.chunk_size, label="chunk size (tokens)", elem_id="chunk-size")
+                                top_k = gr.Number(k.top_k, label="top-k chunks kept")
+                                every = gr.Number(k.retrieve_every, label="retrieve every (steps)")
                             gr.HTML("<div class='se-help'>working cache = chunk size × top-k tokens; it always holds the "
                                     "first chunk (the attention sink) and the newest one.</div>")
                             signal = gr.Radio(SIGNAL_CHOICES, value=k.signal, label="retrieval signal (CMR)",
                                               elem_id="signal")
                             shape = gr.Radio(["chain", "tree"], value=k.shape, label="draft shape")
                             with gr.Row():
-                                chain_k = gr.Number(k.k, label="chain length k", precision=0)
-                                depth = gr.Number(k.max_depth, label="tree depth", precision=0)
-                                budget = gr.Number(k.node_budget, label="tree node budget", precision=0)
+                                chain_k = gr.Number(k.k, label="chain length k")
+                                depth = gr.Number(k.max_depth, label="tree depth")
+                                budget = gr.Number(k.node_budget, label="tree node budget")
                             with gr.Row():
                                 temperature = gr.Number(k.temperature, label="temperature (0 = greedy)")
-                                seed = gr.Number(k.seed, label="seed", precision=0)
+                                seed = gr.Number(k.seed, label="seed")
                     with gr.Column(scale=2):
                         # a Column, not a Group: gradio renders a Group's elem_id on two elements
                         with gr.Column(visible=False, elem_id="stepper", variant="panel") as stepper:
@@ -297,13 +326,14 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
                     n_length = gr.Slider(2000, 40000, value=16000, step=1000, elem_id="needle-length",
                                          label="haystack length (characters; about a quarter as many tokens)")
                     n_depth = gr.Slider(0, 100, value=50, step=1, label="needle depth (% into the document)")
-                    n_topk = gr.Number(8, label="working cache (chunks of 32 tokens)", precision=0)
-                    n_new = gr.Number(24, label="max new tokens", precision=0, elem_id="needle-max-new")
-                    n_seed = gr.Number(0, label="seed (which fact)", precision=0)
+                    n_topk = gr.Number(8, label="working cache (chunks of 32 tokens)")
+                    n_new = gr.Number(24, label="max new tokens", elem_id="needle-max-new")
+                    n_seed = gr.Number(0, label="seed (which fact)")
                 with gr.Row():
                     n_run = gr.Button("Run CMR (two signals) and StreamingLLM", variant="primary", elem_id="needle-run")
                     n_stop = gr.Button("Stop", variant="stop", elem_id="needle-stop")
                 n_status = gr.HTML(elem_id="needle-status", label="status")
+                n_status_text = gr.Textbox(visible=False, label="status_text")
                 n_info = gr.HTML(elem_id="needle-info", label="needle")
                 n_grid = gr.Plot(show_label=False, elem_id="needle-plot", label="needle held")
                 n_answers = gr.HTML(elem_id="needle-answers", label="answers")
@@ -318,7 +348,7 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
                    "k": chain_k, "max_depth": depth, "node_budget": budget, "temperature": temperature, "seed": seed,
                    "lookup": lookup, "signal": signal}
         knobs = [widgets[name] for name in KNOB_NAMES]  # the order `run` names the values in
-        outputs = [status, output, exact, retrieval, far, acceptance, throughput, readout, download]
+        outputs = [status, status_text, output, exact, retrieval, far, acceptance, throughput, readout, download]
         # helpers of the page itself (a sample's text, the document readout) are not part of the public API
         sample.change(wired(studio.pick_sample), sample, document, queue=False, api_visibility="private")
         prompt_sample.change(wired(studio.pick_prompt), prompt_sample, [document, task], queue=False,
@@ -326,37 +356,48 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
         workload.input(wired(studio.choose_workload), workload, [sample, prompt_sample, document, task, max_new],
                        queue=False, api_visibility="private")
         upload.upload(wired(studio.upload), upload, [document, doc_info], queue=False)
+        # a new document (typed, a sample, an upload) or workload: a refusal of the last click no longer applies
+        for event in (document.change, workload.input):
+            event(wired(studio.input_changed), state, [status, status_text], queue=False, api_visibility="private",
+                  show_progress="hidden")
         for source in (document, pair):
             source.change(wired(studio.document_info), [document, pair], doc_info, queue=False, trigger_mode="always_last",
                           show_progress="hidden", api_visibility="private")
         for button, own, said in ((run_btn, state, status), (n_run, n_state, n_status)):
             # at once, outside the queue: that this tab's run still goes, or whether the click waits and how long
             button.click(wired(studio.queued), own, said, queue=False, api_visibility="private", show_progress="hidden")
-        stepper_after = dict(fn=wired(studio.stepper), inputs=state, outputs=[stepper, step_run, step, step_info],
-                             queue=False, api_visibility="private", show_progress="hidden")
+        stepper_after = dict(fn=wired(studio.stepper), inputs=state,
+                             outputs=[stepper, step_run, step, step_info, download], queue=False,
+                             api_visibility="private", show_progress="hidden")
         # the step control: hidden while a run or a replay goes (the first link of its chain, so it cannot land after
         # the control is shown again), shown once it has finished
-        hide_stepper = dict(fn=wired(studio.hide_stepper), inputs=None, outputs=[stepper, timer, play_btn, playing],
-                            queue=False, api_visibility="private", show_progress="hidden")
+        hide_stepper = dict(fn=wired(studio.hide_stepper), inputs=None,
+                            outputs=[stepper, timer, play_btn, playing, download], queue=False,
+                            api_visibility="private", show_progress="hidden")
         run_btn.click(**hide_stepper).then(
             wired(studio.run), [state, document, task, pair, method, race, charts, *knobs, workload], outputs,
             api_name="run", concurrency_limit=settings.concurrency, concurrency_id="generate", show_progress="minimal",
         ).then(wired(studio.document_info), [document, pair], doc_info, queue=False, show_progress="hidden",
                api_visibility="private",  # the exact token count, now that the model is loaded
                ).then(**stepper_after)
-        stop_btn.click(wired(studio.stop), state, status, api_name="stop", queue=False)
+        stop_btn.click(wired(studio.stop), state, [status, status_text], api_name="stop", queue=False)
         n_run.click(wired(studio.needle), [n_state, n_hay, n_length, n_depth, n_seed, n_topk, n_new, n_pair],
-                    [n_status, n_info, n_grid, n_answers, n_heads, n_cmr, n_paper, n_stream], api_name="needle",
+                    [n_status, n_status_text, n_info, n_grid, n_answers, n_heads, n_cmr, n_paper, n_stream],
+                    api_name="needle",
                     concurrency_limit=settings.concurrency, concurrency_id="generate", show_progress="minimal")
-        n_stop.click(wired(studio.stop), n_state, n_status, api_name="needle_stop", queue=False)
+        n_stop.click(wired(studio.stop), n_state, [n_status, n_status_text], api_name="needle_stop", queue=False)
         replay_btn.click(**hide_stepper).then(
             wired(studio.replay), [state, trace_file, pace, charts], outputs, api_name="replay", concurrency_limit=4,
             concurrency_id="replay", show_progress="minimal").then(**stepper_after)
 
         panels = [output, exact, retrieval, far, acceptance, throughput, step_info]  # STEP_PANELS, in at_step's order
-        page = dict(api_visibility="private", show_progress="hidden")
-        # typed into its box, moved by keys or dragged: the panels follow the last value it took
-        step.input(wired(studio.at_step), [state, step_run, step], panels, trigger_mode="always_last", **page)
+        # the step control's values reach the Studio as the page sent them (not refused against the slider's range
+        # first): a step typed out of range or between steps is rounded and kept within the run there
+        page = dict(api_visibility="private", show_progress="hidden", preprocess=False)
+        # typed into its box, moved by keys or dragged: the panels follow the last value it took, and the control shows
+        # the step drawn
+        step.input(wired(studio.step_by(0)), [state, step_run, step], [step, *panels], trigger_mode="always_last",
+                   **page)
         prev_btn.click(wired(studio.step_by(-1)), [state, step_run, step], [step, *panels], **page)
         next_btn.click(wired(studio.step_by(1)), [state, step_run, step], [step, *panels], **page)
         step_run.input(wired(studio.pick_run), [state, step_run], [step, *panels], **page)
@@ -366,6 +407,7 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
         timer.tick(wired(studio.tick), [state, step_run, step], [step, *panels, timer, play_btn, playing], **page)
         demo.load(None, None, None, js=CLICK_TO_STEP)
     demo.queue(default_concurrency_limit=settings.concurrency, max_size=settings.queue_size)
+    refuse_quietly(demo)
     return demo
 
 

@@ -68,8 +68,9 @@ def test_a_run_streams_every_panel_and_exports_a_replayable_trace(client):
     from gradio_client import handle_file
 
     job = client.submit(*run_args(), api_name="/run")
-    status, output, exact, retrieval, far, acceptance, throughput, readout, download = job.result()
+    status, status_text, output, exact, retrieval, far, acceptance, throughput, readout, download = job.result()
     assert "Done." in status and len(job.outputs()) >= 2  # streamed: several messages, the last carries all
+    assert status_text.startswith("Done.\n") and "<" not in status_text  # the status as plain text, for API callers
     download = file_path(download)
     assert "se-draft" in output and "word" in output
     assert "✔ Exact" in exact
@@ -86,7 +87,7 @@ def test_a_run_streams_every_panel_and_exports_a_replayable_trace(client):
     assert readout.count("<tr>") == 4
 
     replayed = client.predict(handle_file(download), "instant", "0.3", api_name="/replay")
-    assert "Done." in replayed[0] and json.loads(replayed[3]["plot"])["data"][1]["y"] == steps
+    assert "Done." in replayed[0] and json.loads(replayed[4]["plot"])["data"][1]["y"] == steps
 
 
 @pytest.mark.parametrize("args,message", [
@@ -192,8 +193,9 @@ def test_stop_ends_a_run_midway(client):
         time.sleep(0.05)
     client.predict(api_name="/stop")  # answers once the run has ended (it ends after the current step)
     status = job.result()[0]
-    assert "Stopped, as asked" in status and "SpecExtend: stopped" in status and "target alone" not in status
-    assert "Nothing is running" in client.predict(api_name="/stop")
+    assert "Stopped, as asked" in status and "SpecExtend: stopped" in status
+    assert "target alone: did not run (stopped)" in status  # the race's run that never began
+    assert client.predict(api_name="/stop")[1] == "Nothing is running."
 
 
 def test_two_users_at_once_share_the_queue(server):
@@ -360,7 +362,7 @@ def test_traces_round_trip_and_plain_engine_traces_replay():
 
 
 def test_needle_tab_runs_cmr_and_streaming_on_a_planted_fact(client):
-    status, info, grid, answers, heads, cmr, paper, streaming = client.predict(
+    status, _, info, grid, answers, heads, cmr, paper, streaming = client.predict(
         "hamlet_opening", 4000, 50, 0, 8, 12, BUNDLED, api_name="/needle")
     assert "Done." in status and "Needle" in info and "Question" in info
     heat = json.loads(grid["plot"])["data"][0]
@@ -535,7 +537,7 @@ def test_stop_is_said_until_the_run_ends_and_then_the_end_is_said(monkeypatch):
     next(stream)
     next(stream)
     monkeypatch.setattr(studio_module, "STOP_WAIT_S", 0.0)  # answer at once, before the run has wound down
-    assert STOPPING in html.unescape(studio.stop(state))
+    assert STOPPING in html.unescape(studio.stop(state)[0]) and studio.stop(state)[1] == STOPPING
     after = [html.unescape(m[0]) for m in stream]
     assert all("tokens generated" not in s and "prefill" not in s for s in after), after
     assert "Stopped, as asked" in after[-1] and "Done." not in after[-1]
@@ -543,15 +545,15 @@ def test_stop_is_said_until_the_run_ends_and_then_the_end_is_said(monkeypatch):
     stream = studio_run(studio, state, max_new_tokens=200)
     next(stream)
     answer = studio.stop(state)  # the run ends within the wait: Stop leaves the run's own last word
-    assert state.job.done.is_set() and not isinstance(answer, str)
+    assert state.job.done.is_set() and all(type(a).__name__ == "Keep" for a in answer)
     assert "Stopped, as asked" in html.unescape(list(stream)[-1][0])
-    assert "Nothing is running" in studio.stop(state)
+    assert "Nothing is running" in studio.stop(state)[0]
 
 
 def test_a_refused_run_leaves_no_waiting_text(client):
     """A prompt over the model's limit is refused once the model is loaded: the output panel then says nothing was
     generated, not that the run is waiting to start."""
-    status, output = client.predict(*run_args(document=" ".join(["long"] * 2100)), api_name="/run")[:2]
+    status, _, output = client.predict(*run_args(document=" ".join(["long"] * 2100)), api_name="/run")[:3]
     assert "exceeds the model's limit" in html.unescape(status)
     assert "Nothing was generated" in output and "waiting" not in output
 
@@ -567,7 +569,7 @@ def test_the_api_names_every_parameter_and_output_and_refuses_in_the_pages_words
     for name, endpoint in api.items():
         assert not any(p["parameter_name"].startswith("param_") for p in endpoint["parameters"]), name
         assert not any((r.get("label") or "value_").startswith("value_") for r in endpoint["returns"]), name
-    assert [r["label"] for r in api["/run"]["returns"]][:3] == ["status", "output", "exactness"]
+    assert [r["label"] for r in api["/run"]["returns"]][:4] == ["status", "status_text", "output", "exactness"]
     status = client.predict(document=DOC, chunk_size=0, api_name="/run")[0]
     assert "chunk size must be at least 1 token" in status and "chunk_size" not in status
     status = client.predict(document=DOC, top_k=1, api_name="/run")[0]
@@ -649,8 +651,9 @@ def test_the_from_python_example_in_the_docs_runs_as_written(server, monkeypatch
     exec(compile(code.replace("http://127.0.0.1:7860/", server), "docs/APP.md", "exec"), scope)
     assert "Done." in capsys.readouterr().out
     assert "✔ Exact" in scope["exactness"] and len(scope["charts"]) == 4
-    runs, _, _ = loads(Path(file_path(scope["trace"])).read_text())
+    runs, _, _ = loads(Path(scope["trace"]).read_text())  # a file, downloaded by gradio_client
     assert list(runs) == ["specextend", "autoregressive"]
+    assert "Done." in scope["status_text"] and "Replay of a trace recorded on 20" in scope["replayed"][1]
 
 
 def test_the_status_says_what_the_prompt_is_read_in():
@@ -660,3 +663,189 @@ def test_the_status_says_what_the_prompt_is_read_in():
     began = Started(0.0, 0.0, "specextend", (1, 2, 3), {}, 30, 2, "cpu", "float32", prefill_dtype="bfloat16")
     assert "started on cpu (float32; the prompt read in bfloat16), reading 3 prompt tokens" in describe("specextend", began)
     assert "(float32)" in describe("specextend", Started(0.0, 0.0, "specextend", (1,), {}, 30, 2, "cpu", "float32"))
+
+
+def test_the_trace_output_is_a_file_that_replay_takes_back_through_gradio_client(client):
+    """`/run`'s `trace` comes back as a file gradio_client downloads (a local path, not an update holding the server's
+    path) and `/replay` takes it back through handle_file: the replay draws the same runs and says whose trace it is."""
+    from gradio_client import handle_file
+
+    result = client.predict(document=DOC, race=["autoregressive"], max_new_tokens=12, api_name="/run")
+    status_text, trace = result[1], result[-1]
+    assert isinstance(trace, str) and Path(trace).is_file(), trace
+    runs, _, meta = loads(Path(trace).read_text())
+    assert list(runs) == ["specextend", "autoregressive"] and meta["recorded"].endswith("UTC")
+    replayed = client.predict(trace=handle_file(trace), pace="instant", api_name="/replay")
+    assert replayed[1].startswith("Done.\n") and f"Replay of a trace recorded on {meta['recorded']}, " in replayed[1]
+    assert replayed[2].count("se-about") == 1 and "Done." in status_text
+    again, _, _ = loads(Path(replayed[-1]).read_text())  # a replay exports its trace too, as a file
+    assert [len(e) for e in again.values()] == [len(e) for e in runs.values()]
+
+
+def test_only_the_public_endpoints_are_listed():
+    """The API lists the page's six endpoints and nothing else: no endpoint per session state (gradio made one for a
+    State given a class), no helper of the page."""
+    from gradio_client import Client
+
+    settings = Settings(port=free_port())
+    demo = build_app(fake_factory(), settings)
+    launch(demo, settings, prevent_thread_lock=True, quiet=True)
+    try:
+        api = Client(f"http://127.0.0.1:{settings.port}/", verbose=False).view_api(print_info=False,
+                                                                                 return_format="dict")
+    finally:
+        demo.close()
+    assert set(api["named_endpoints"]) == {"/run", "/stop", "/replay", "/needle", "/needle_stop", "/upload"}
+    assert not api["unnamed_endpoints"]
+    for name in ("/run", "/replay", "/stop", "/needle", "/needle_stop"):
+        assert [r["label"] for r in api["named_endpoints"][name]["returns"]][:2] == ["status", "status_text"], name
+
+
+def test_gradios_own_refusals_are_one_line_in_the_log_not_a_traceback(client, capfd, caplog):
+    """Values gradio refuses before the app sees them (more new tokens than the cap; an update dict where /replay
+    takes a file, as /run's trace output once was) answer the caller with gradio's message and log one line each."""
+    import logging
+
+    from gradio_client.exceptions import AppError
+
+    capfd.readouterr()
+    with caplog.at_level(logging.WARNING, logger="app.ui"):
+        with pytest.raises(AppError, match="greater than maximum value 256"):
+            client.predict(*run_args(max_new=1000), api_name="/run")
+        with pytest.raises(AppError, match="FileData"):
+            client.predict({"visible": True, "value": "/tmp/x.json", "__type__": "update"}, "instant", "0.3",
+                           api_name="/replay")
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err[-2000:]
+    refused = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused a request")]
+    assert len(refused) == 2 and all("\n" not in line for line in refused), refused
+    assert "run" in refused[0] and "greater than maximum value 256" in refused[0]
+
+
+def test_a_fraction_in_a_whole_number_knob_is_refused_not_rounded(client):
+    """1.5 typed as the chunk size (or any whole-number knob) reaches the Studio as typed and is refused with the
+    knob's name; the page's number boxes do not round it first (they did: 1.5 ran as 2)."""
+    for knob, label in (("chunk_size", "chunk size"), ("top_k", "top-k chunks"), ("k", "chain length k"),
+                        ("seed", "seed")):
+        status_text = client.predict(document=DOC, race=[], max_new_tokens=8, **{knob: 1.5}, api_name="/run")[1]
+        assert f"{label} must be a whole number, got 1.5" in status_text, (knob, status_text)
+    config = build_app(fake_factory(), Settings()).config
+    boxes = [c for c in config["components"] if c["type"] == "number"]
+    assert boxes and all(c["props"].get("precision") is None for c in boxes)
+
+
+@pytest.mark.parametrize("document", ["x", "Hello there.", " ".join(["word"] * 19)])
+def test_a_document_too_short_to_read_is_refused_with_a_clear_message(document):
+    """The long-input workload reads a document: one of fewer than 20 words is refused before any model loads (it
+    ran, and the model "summarised" one character); a short prompt is the long-output workload's, and runs there."""
+    from app.studio import SessionState, Studio
+
+    studio = Studio(fake_factory(), Settings())
+    said = list(studio_run(studio, SessionState(), document=document))
+    assert len(said) == 1 and "the long-input workload reads a document of at least 20 words" in said[0][1]
+    assert "choose the long-output workload" in said[0][1] and studio.pairs.peek(Settings().pair(BUNDLED)) is None
+    long = list(studio_run(studio, SessionState(), document=document + " and on", workload="long_output",
+                           max_new_tokens=8))
+    assert "Done." in long[-1][1]
+
+
+def test_a_refused_click_clears_the_previous_runs_panels_and_a_new_input_clears_the_refusal():
+    """After a run, a refused click leaves no panel showing that run (each says nothing ran), no step control and
+    no trace; once the document, the sample, an upload or the workload changes, the refusal gives way to "Ready".
+    A click refused by its job (a prompt over the model's limit) is cleared the same way; any other status stays."""
+    from app.studio import READY, SessionState, Studio
+
+    studio = Studio(fake_factory(max_positions=2048), Settings())
+    state = SessionState()
+    assert "Done." in list(studio_run(studio, state, max_new_tokens=8))[-1][1]
+    assert studio.stepper(state)[0].visible and all(type(a).__name__ == "Keep" for a in studio.input_changed(state))
+    refused = list(studio_run(studio, state, document="  "))
+    status, status_text, output, exact, retrieval, far, acceptance, speed, table, trace = refused[-1]
+    assert status_text.startswith("The document is empty") and "Nothing was generated" in output
+    assert exact == far == table == "" and trace is None
+    for figure in (retrieval, acceptance, speed):
+        assert "nothing ran" in figure.json.decode()
+    assert studio.stepper(state)[0].visible is False and studio.stepper(state)[-1].visible is False
+    status, status_text = studio.input_changed(state)
+    assert status_text == READY and READY in html.unescape(status)
+    assert all(type(a).__name__ == "Keep" for a in studio.input_changed(state))  # said once
+    over = list(studio_run(studio, state, document=" ".join(["long"] * 2100)))
+    assert "exceeds the model's limit" in over[-1][1] and "Nothing was generated" in over[-1][2]
+    assert studio.input_changed(state)[1] == READY
+
+
+def test_a_run_stopped_in_its_prefill_says_so_in_every_panel():
+    """Stopped while the target reads the prompt: the output, retrieval and acceptance panels say the run was stopped
+    before its first token, retrieval and step (not that they wait for one); the speed table gives the time the run
+    took (its prefill counts) and marks the race's runs that never began as not run; the exactness line says the
+    target alone did not run (it does not ask to tick it: it is ticked); the step control says there is no step."""
+    from app.studio import SessionState, Studio
+
+    studio = Studio(fake_factory(step_s=0.4), Settings())
+    state = SessionState()
+    stream = studio_run(studio, state, document=" ".join(f"word{i}" for i in range(5000)), race=["speculative",
+                        "autoregressive"])
+    next(stream)
+    while not any(type(e).__name__ == "Prefilling" for e in state.job.snapshot().get("specextend", [])):
+        time.sleep(0.05)
+    state.stop()
+    *_, last = stream
+    status, status_text, output, exact, retrieval, far, acceptance, speed, table, trace = last
+    assert "stopped before the first token, during the prefill" in output and "waiting" not in output
+    assert "stopped before the first retrieval" in retrieval.json.decode()
+    assert "stopped before the first step" in acceptance.json.decode()
+    assert "stopped before the first token" in speed.json.decode()  # no empty axes
+    assert "did not run (stopped)" in exact and "tick" not in exact
+    took = re.search(r"<td>stopped</td><td>0</td><td>([0-9.]+) s</td>", table)
+    assert took and float(took.group(1)) >= 0.4, table  # at least one prefill block's time
+    assert table.count("did not run (stopped)") == 2 and "0.00 s" not in table
+    assert "target alone: did not run (stopped)" in status_text
+    words = studio.stepper(state)[3]
+    assert "Stopped before the first step" in words and "Step 0 of 0" not in words
+
+
+def test_the_sample_list_and_the_document_readout_count_the_same_tokens():
+    """The readout counts the document alone, as the sample list does (the bundled target's tokenizer, without the
+    chat template): before the model loads it gives the sample's count, not an estimate from its characters, and once
+    loaded it counts with the pair's tokenizer, which for the bundled pair is the same number."""
+    import dataclasses
+
+    from transformers import AutoTokenizer
+
+    from app.backend import Codec
+    from app.studio import Studio
+    from specextend.tools.bundled import target_dir
+
+    name, label = documents.samples()[0][1], documents.samples()[0][0]
+    listed = int(re.search(r"~([0-9,]+) tokens", label).group(1).replace(",", ""))
+    text = documents.sample_text(name)
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir()))
+    fake = fake_factory()
+
+    def factory(choice, progress):  # the fake engine with the bundled target's tokenizer
+        return dataclasses.replace(fake(choice, progress), codec=Codec(tokenizer))
+
+    studio = Studio(factory, Settings())
+    before = html.unescape(studio.document_info(text, BUNDLED))
+    assert f"{listed:,} tokens in the document" in before and "about" not in before
+    studio.pairs.get(Settings().pair(BUNDLED), lambda message: None)
+    after = html.unescape(studio.document_info(text, BUNDLED))
+    assert f"{listed:,} tokens in the document" in after and "in the prompt, with the chat template" in after
+    pasted = studio.document_info("a pasted text", BUNDLED_DRAFT_MODEL)  # not a sample, that pair not loaded
+    assert "about 3 tokens in the document (estimated at four characters a token" in pasted
+
+
+def test_the_page_opens_with_a_sample_chosen_so_run_runs_at_once():
+    """As the page opens, the first sample is selected, its text is in the document box, the readout counts it and
+    the status says Run will run it; Run on those defaults starts a run (it answered "The document is empty")."""
+    from app.studio import READY, SessionState, Studio
+
+    config = build_app(fake_factory(), Settings()).config
+    props = {c["props"].get("elem_id"): c["props"] for c in config["components"] if c["props"].get("elem_id")}
+    first = documents.samples()[0][1]
+    assert props["sample"]["value"] == first and props["document"]["value"] == documents.sample_text(first)
+    assert "tokens in the document" in props["doc-info"]["value"] and READY in html.unescape(props["status"]["value"])
+    studio = Studio(fake_factory(), Settings())
+    said = list(studio_run(studio, SessionState(), document=props["document"]["value"], task=DEFAULT_TASK,
+                           max_new_tokens=8))
+    assert "Done." in said[-1][1]

@@ -356,3 +356,202 @@ def test_stop_during_a_replay_is_said_until_the_end_and_the_end_stays(studio_url
     status = page.inner_text("#status")
     assert "Stopped, as asked" in status and "Stopping" not in status
     page.close()
+
+
+# --- the page as a new user meets it: its defaults, Stop, a replay, a refusal, a typed step -----------------------
+
+# the words a panel shows while it waits for something; after Stop, nothing is coming
+WAITING = "waiting for"
+
+PANEL_TEXTS = """() => {
+    const note = id => ((document.querySelector(`#${id} .js-plotly-plot`)?.layout?.annotations) || [])
+        .map(a => a.text).join(' | ');
+    const text = id => document.querySelector(`#${id}`)?.innerText || '';
+    return {status: text('status'), output: text('output'), exactness: text('exactness'), readout: text('readout'),
+            step: text('step-info'), retrieval: note('retrieval-plot'), acceptance: note('acceptance-plot'),
+            speed: note('throughput-plot'), stepper: !!document.querySelector('#stepper')?.checkVisibility()};
+}"""
+
+# Symbols drawn where no installed font has them come out as the font's empty box (the same box as a private-use
+# character no font has). Each element's non-ASCII characters (its text, or the characters given for it), drawn on a
+# canvas in that element's font, are compared with that box.
+MISSING_GLYPHS = """(asked) => {
+    const canvas = document.createElement('canvas');
+    canvas.width = 40; canvas.height = 40;
+    const ctx = canvas.getContext('2d', {willReadFrequently: true});
+    const draw = (ch, font) => {
+        ctx.clearRect(0, 0, 40, 40); ctx.font = font; ctx.fillStyle = '#000'; ctx.textBaseline = 'top';
+        ctx.fillText(ch, 4, 4);
+        return Array.from(ctx.getImageData(0, 0, 40, 40).data).join(',');
+    };
+    const missing = [];
+    for (const [id, chars] of Object.entries(asked)) {
+        const el = document.querySelector(`#${id}`);
+        if (!el) continue;
+        const font = getComputedStyle(el).font || '16px sans-serif';
+        const box = draw('\\uE000', font);
+        for (const ch of new Set(Array.from(chars ?? el.innerText).filter(c => c.codePointAt(0) > 127 && c.trim()))) {
+            if (draw(ch, font) === box) missing.push(`${id}: ${ch} U+${ch.codePointAt(0).toString(16)}`);
+        }
+    }
+    return missing;
+}"""
+
+
+def texts(page) -> dict:
+    return page.evaluate(PANEL_TEXTS)
+
+
+def new_page(browser, url: str):
+    page = browser.new_page(viewport={"width": 1500, "height": 1100})
+    page.goto(url)
+    page.wait_for_selector("#run")
+    return page
+
+
+def wait_status(page, words: str, timeout: int = 60_000) -> None:
+    page.wait_for_function(f"document.querySelector('#status').innerText.includes({json.dumps(words)})",
+                           timeout=timeout)
+
+
+@pytest.mark.parametrize("engine", [ENGINE])
+def test_a_fresh_page_runs_on_its_defaults_and_stop_leaves_nothing_stale(studio_url, browser, engine):
+    """Opened, the page has a sample chosen and counted; Run on the defaults starts the race (it answered "The
+    document is empty"); Stop in its first run leaves every panel saying what happened: nothing waits, the speed table
+    gives the time the run took and lists the race's runs that never began, the exactness line does not ask to tick
+    the target alone (it is ticked), and the step control does not say "Step 0 of 0"."""
+    url, _ = studio_url
+    page = new_page(browser, url)
+    assert len(page.input_value("#document textarea")) > 1000
+    chosen = page.input_value("#sample input")
+    assert "tokens)" in chosen, chosen  # the first sample's label, "... (~7,534 tokens)"
+    listed = chosen.rsplit("(~", 1)[1].split(" ")[0]
+    assert f"{listed} tokens in the document" in page.inner_text("#doc-info")  # the readout counts as the list does
+    assert "Ready: a sample document is loaded" in page.inner_text("#status")
+    page.click("#run")
+    wait_status(page, "SpecExtend", timeout=300_000)  # its first run has begun (the model loaded, if it had to)
+    page.click("#stop")
+    wait_status(page, "Stopped, as asked", timeout=120_000)
+    page.wait_for_selector("#stepper", state="visible", timeout=30_000)
+    page.wait_for_function("document.querySelector('#readout').innerText.includes('did not run')", timeout=30_000)
+    seen = texts(page)
+    assert "The document is empty" not in seen["status"] and "target alone: did not run (stopped)" in seen["status"]
+    for panel in ("output", "retrieval", "acceptance", "step", "exactness"):
+        assert WAITING not in seen[panel], (panel, seen[panel])
+    assert "Step 0 of 0" not in seen["step"] and "tick" not in seen["exactness"], seen
+    assert "did not run (stopped)" in seen["readout"] and "0.00 s" not in seen["readout"], seen["readout"]
+    OUT.mkdir(exist_ok=True)
+    page.screenshot(path=str(OUT / f"page-stopped-{engine}.png"), full_page=True)
+    assert not page.evaluate(MISSING_GLYPHS, dict.fromkeys(["output", "status", "readout", "step-info", "stepper"]))
+    page.close()
+
+
+@pytest.mark.parametrize("engine", [ENGINE])
+def test_a_replay_says_so_and_stopped_in_its_prefill_leaves_nothing_stale(studio_url, browser, engine):
+    """The recorded trace at its recorded pace (its prefill took 16 s) stopped after a second: the status and the
+    page say it is a replay of a trace and whose; then every panel says the run was stopped before its first token,
+    retrieval and step; the speed table gives the time the replay had reached and lists the two runs that never began;
+    the exactness line says the target alone did not run; the stop mark is a glyph the fonts have."""
+    url, _ = studio_url
+    pair = json.loads(FIXTURE_TRACE.read_text())["meta"]["pair"]
+    page = open_replay(browser, url)
+    page.get_by_label("recorded pace").check()
+    page.click("#replay")
+    wait_status(page, "Replay of a trace recorded on a date the file does not say, " + pair)
+    page.wait_for_function("document.querySelector('#output .se-about')?.innerText.includes('Replay of a trace')",
+                           timeout=30_000)
+    page.wait_for_timeout(1000)
+    page.click("#stop")
+    wait_status(page, "Stopped, as asked", timeout=30_000)
+    page.wait_for_selector("#stepper", state="visible", timeout=30_000)
+    page.wait_for_function("document.querySelector('#step-info').innerText.length > 0", timeout=30_000)
+    seen = texts(page)
+    assert "Replay of a trace" in seen["status"] and "Replay of a trace" in seen["output"]
+    assert "stopped before the first token, during the prefill" in seen["output"]
+    assert "stopped before the first retrieval" in seen["retrieval"]
+    assert "stopped before the first step" in seen["acceptance"]
+    assert "stopped before the first token" in seen["speed"]  # not empty axes
+    assert seen["step"].startswith("Stopped before the first step"), seen["step"]
+    assert "target alone did not run (stopped)" in seen["exactness"] and "tick" not in seen["exactness"]
+    assert seen["readout"].count("did not run (stopped)") == 2 and "0.00 s" not in seen["readout"], seen["readout"]
+    for panel in ("output", "retrieval", "acceptance", "step", "exactness"):
+        assert WAITING not in seen[panel], (panel, seen[panel])
+    OUT.mkdir(exist_ok=True)
+    page.screenshot(path=str(OUT / "page-replay-stopped.png"), full_page=True)
+    assert not page.evaluate(MISSING_GLYPHS, dict.fromkeys(["output", "status", "readout", "step-info", "step-play"]))
+    page.close()
+
+
+@pytest.mark.parametrize("engine", [ENGINE])
+def test_a_refused_click_clears_the_panels_and_a_new_input_clears_the_refusal(studio_url, browser, engine):
+    """After a replay, Run on an empty document is refused: no panel still shows the replayed run, the step control
+    and the trace download go; the refusal then gives way to "Ready" when the document is typed, when a sample is
+    picked, and when the workload changes."""
+    url, _ = studio_url
+    page = open_replay(browser, url)
+    page.click("#replay")
+    wait_status(page, "Done.")
+    page.wait_for_selector("#download", state="visible", timeout=30_000)
+    for change in ("type", "sample", "workload"):
+        page.fill("#document textarea", "")
+        page.click("#run")
+        wait_status(page, "The document is empty")
+        page.wait_for_timeout(1000)  # the step control's answer comes after the click's
+        seen = texts(page)
+        assert "Nothing was generated" in seen["output"] and "Replay of a trace" not in seen["output"]
+        assert seen["readout"] == "" and seen["exactness"] == "" and "nothing ran" in seen["retrieval"], seen
+        assert not seen["stepper"] and not page.locator("#download").is_visible()
+        if change == "type":
+            page.fill("#document textarea", "A document typed in after the refusal, long enough to be read. " * 3)
+        elif change == "sample":  # another sample than the one chosen as the page opened
+            page.get_by_role("combobox", name="Sample document").click()
+            page.get_by_role("option").nth(1).click()
+        else:
+            page.get_by_label("long output: write at length from a short prompt").check()
+        wait_status(page, "Ready", timeout=10_000)
+        assert "empty" not in page.inner_text("#status"), change
+        if change == "workload":
+            page.get_by_label("long input: read a document, write a short answer").check()
+    OUT.mkdir(exist_ok=True)
+    page.screenshot(path=str(OUT / "page-refusal-cleared.png"), full_page=True)
+    page.close()
+
+
+@pytest.mark.parametrize("engine", [ENGINE])
+def test_a_step_typed_between_steps_or_out_of_range_is_drawn_where_the_control_shows(studio_url, browser, engine):
+    """12.5, 999 and -5 typed into the step box: the panels are drawn at the step it rounds to within the run, and the
+    box and the slider are set to that step, so all three agree."""
+    url, _ = studio_url
+    events = json.loads(FIXTURE_TRACE.read_text())["runs"]["specextend"]
+    last = max(e["step"] for e in events if e["type"] == "Verified")
+    page = open_replay(browser, url)
+    page.click("#replay")
+    wait_status(page, "Done.")
+    page.wait_for_selector("#stepper", state="visible", timeout=30_000)
+    for typed, drawn in (("12.5", 13), ("999", last), ("-5", 0), ("7", 7)):
+        page.fill("#step-slider input[type=number]", typed)
+        page.wait_for_function(
+            f"document.querySelector('#step-info')?.innerText.includes('Step {drawn} of {last}') && "
+            f"document.querySelector('#step-slider input[type=number]').value === '{drawn}' && "
+            f"document.querySelector('#step-slider input[type=range]').value === '{drawn}'", timeout=30_000)
+        if drawn:  # the acceptance panel as of that step: a column per step
+            assert len(plot_data(page, "acceptance-plot")[0]["x"]) == drawn, typed
+    page.close()
+
+
+@pytest.mark.parametrize("engine", [ENGINE])
+def test_every_symbol_the_page_writes_has_a_glyph_in_the_machines_fonts(studio_url, browser, engine):
+    """Each non-ASCII character in the app's and the visualizers' sources (marks like "■ stopped", "❚❚ pause", ✔, ①),
+    drawn in the output panel's font and in a button's, is a glyph, not the empty box of a character no font has
+    ("⏹" and "⏸" were: Debian's fonts lack them)."""
+    root = Path(__file__).parent.parent
+    chars = sorted({c for folder in ("app", "visualizers") for path in (root / folder).glob("*.py")
+                    for c in path.read_text(encoding="utf-8") if ord(c) > 127 and c.strip()})
+    assert "■" in chars and "❚" in chars
+    page = browser.new_page()
+    page.goto(studio_url[0])
+    page.wait_for_selector("#run")
+    assert page.locator("#output").count() == page.locator("#run").count() == 1
+    assert page.evaluate(MISSING_GLYPHS, {"output": "⏹⏸"}) == ["output: ⏹ U+23f9", "output: ⏸ U+23f8"]  # it finds them
+    assert not page.evaluate(MISSING_GLYPHS, {"output": "".join(chars), "run": "".join(chars)})
+    page.close()

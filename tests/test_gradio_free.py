@@ -36,8 +36,9 @@ from fixtures.fake_engine import fake_factory
 studio, state = Studio(fake_factory(), Settings()), SessionState()
 *_, last = studio.run(state, " ".join(f"word{i}" for i in range(300)), "Summarize.", BUNDLED, "specextend",
                       ["autoregressive"], "0", max_new_tokens=8)
-shown, run, slider, words = studio.stepper(state)
+shown, run, slider, words, download = studio.stepper(state)
 assert "Done." in last[0] and shown.visible and run.value == "specextend" and "Step" in words, (last[0], words)
+assert "Done." in last[1] and "<" not in last[1] and download.visible, last[1]  # the status as plain text too
 assert studio.step_by(-1)(state, "specextend", slider.value)[0] == slider.value - 1
 gradio = sorted(m for m in sys.modules if m.split(".")[0] in ("gradio", "gradio_client"))
 assert not gradio, gradio
@@ -56,7 +57,7 @@ def test_the_page_module_defines_no_handler_and_wires_only_studio_handlers():
     tree = ast.parse((ROOT / "app" / "ui.py").read_text(encoding="utf-8"))
     assert not [node.name for node in tree.body if isinstance(node, ast.ClassDef)]
     functions = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
-    assert functions == {"gradio_value", "gradio_answer", "wired", "build_app", "launch"}
+    assert functions == {"gradio_value", "gradio_answer", "wired", "refuse_quietly", "build_app", "launch"}
     for name in ("studio", "stepping", "updates", "panels", "runner"):  # the gradio-free side names no gradio
         source = ast.parse((ROOT / "app" / f"{name}.py").read_text(encoding="utf-8"))
         imported = {alias.name for node in ast.walk(source) if isinstance(node, ast.Import) for alias in node.names}

@@ -119,8 +119,10 @@ def test_the_step_handlers_stay_within_the_run_and_play_stops_at_its_end():
     list(studio.replay(state, str(fixture), "instant"))
     runs = state.job.snapshot()
     last = last_step(runs["specextend"])
-    shown, run, slider, words = studio.stepper(state)
+    shown, run, slider, words, download = studio.stepper(state)
     assert shown.visible and run.value == "specextend" and slider.value == last and f"Step {last} of {last}" in words
+    assert download.visible  # the trace's download shows with the step control, and hides with it
+    assert studio.hide_stepper()[-1].visible is False
     back = studio.step_by(-1)(state, "specextend", 5)
     assert back[0] == 4 and len(back) == STEP_PANELS + 1 and "Step 4 of" in back[-1]
     assert studio.step_by(1)(state, "specextend", last)[0] == last and studio.step_by(-1)(state, "specextend", 0)[0] == 0
@@ -133,3 +135,30 @@ def test_the_step_handlers_stay_within_the_run_and_play_stops_at_its_end():
     assert studio.play(state, "specextend", 3, "1", True)[2] is False  # pause
     slider, *_ = studio.pick_run(state, "autoregressive")
     assert slider.value == last_step(runs["autoregressive"]) == slider.maximum
+
+
+def test_a_step_typed_between_steps_or_out_of_range_is_rounded_into_the_run_and_the_control_shows_it():
+    """12.5, 999 or -5 typed into the slider's box (the page passes it as typed): the panels are drawn at the step it
+    rounds to within the run, and the control is set to that step, so the box, the slider and the panels agree; a
+    step it already shows is left alone (a drag is not pulled back). A replay's output says it is one at every step."""
+    from pathlib import Path
+
+    from app.settings import Settings
+    from app.stepping import STEP_PANELS
+    from app.studio import SessionState, Studio
+    from app.updates import KEEP
+    from fixtures.fake_engine import fake_factory
+
+    fixture = Path(__file__).parent / "fixtures" / "smollm2_hamlet.trace.json"
+    studio, state = Studio(fake_factory(), Settings()), SessionState()
+    list(studio.replay(state, str(fixture), "instant"))
+    last = last_step(state.job.runs["specextend"])
+    follow = studio.step_by(0)
+    for typed, drawn in ((12.5, 13), (999, last), (-5, 0), (1e300, last), ("7", 7)):
+        moved = follow(state, "specextend", typed)
+        assert moved[0] == drawn and len(moved) == STEP_PANELS + 1, typed
+        assert f"Step {drawn} of {last}" in moved[-1], (typed, moved[-1])
+        assert "Replay of a trace" in moved[1]  # the output panel, at any step
+    assert follow(state, "specextend", 6)[0] is KEEP and "Step 6 of" in follow(state, "specextend", 6)[-1]
+    assert all(a is KEEP for a in follow(state, "specextend", float("nan")))  # no number: nothing moves, no crash
+    assert studio.jump(state, "specextend", "12.6:1764000000")[0] == 13

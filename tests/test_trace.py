@@ -175,7 +175,7 @@ def test_a_recorded_runs_times_load():
 
 def last_readout(studio, state, path) -> str:
     *_, last = studio.replay(state, str(path), "instant")
-    return last[7]  # status, output, exactness, retrieval, far, acceptance, speed chart, the speed table
+    return last[8]  # status, its plain text, output, exactness, retrieval, far, acceptance, speed chart, speed table
 
 
 def test_a_replay_says_the_recorded_machine_was_busy_not_the_replaying_one(tmp_path, monkeypatch):
@@ -206,6 +206,67 @@ def test_an_export_records_the_machines_load_and_a_replay_keeps_the_recorded_one
     assert live["meta"]["machine_load"] == 3.25 and loads(json.dumps(live))[2]["machine_load"] == 3.25
     replayed = json.loads(Path(studio._export(runs, codec.decode, {"machine_load": 0.5, "replayed": True})).read_text())
     assert replayed["meta"]["machine_load"] == 0.5
+
+
+def asking(max_new_tokens, wrote: int = 2) -> str:
+    """A studio trace of one autoregressive run whose Started event asked for `max_new_tokens` and that wrote `wrote`."""
+    started, *steps = run_of([0.1] * wrote)["autoregressive"]
+    config = {**started.config, "max_new_tokens": max_new_tokens}
+    return json.dumps({"format": FORMAT, "runs": {"autoregressive": [ev.to_dict(replace(started, config=config)),
+                                                                      *(ev.to_dict(e) for e in steps)]}, "tokens": {}})
+
+
+@pytest.mark.parametrize("text,message", [
+    (asking(10**15), "the autoregressive run asked for 1000000000000000 new tokens, but this server runs from 1 to 2,048"),
+    (asking(0), "asked for 0 new tokens"),
+    (asking(2.5), "asked for 2.5 new tokens"),
+    (asking(True), "asked for True new tokens"),
+    (asking(2048, wrote=2050), "wrote 2,050 new tokens, but this server runs at most 2,048"),
+])
+def test_a_trace_beyond_the_servers_limits_is_refused_at_replay(tmp_path, text, message):
+    """A run that asked for (or wrote) more new tokens than this server allows is none of its runs: refused with the
+    reason and the operator's setting, before anything plays; the same file loads where no limit is given."""
+    from app.settings import Settings
+    from app.studio import SessionState, Studio
+    from fixtures.fake_engine import fake_factory
+
+    with pytest.raises(TraceError, match=message):
+        loads(text, 2048)
+    path = tmp_path / "big.json"
+    path.write_text(text)
+    said = list(Studio(fake_factory(), Settings(max_new_tokens=2048)).replay(SessionState(), str(path), "instant"))
+    assert len(said) == 1 and "Cannot replay this file" in said[0][1] and "SPECEXTEND_MAX_NEW_TOKENS" in said[0][1]
+    assert loads(asking(2048), 2048)[0] and loads(text)[0]  # within the limit, or with none given: it loads
+
+
+@pytest.mark.parametrize("meta,message", [({"pair": ["a"]}, "'meta.pair' should be text"),
+                                          ({"recorded": "x" * 301}, "'meta.recorded' should be text of up to 300")])
+def test_the_texts_a_replay_shows_from_meta_are_checked(meta, message):
+    with pytest.raises(TraceError, match=message):
+        loads(studio_trace([0.1], **meta))
+
+
+def test_a_replay_says_whose_trace_it_plays_while_it_plays_and_after(tmp_path, monkeypatch):
+    """A live run's trace records when it ran; its replay says "Replay of a trace recorded on <date>, <pair>" in the
+    status from its first message to its last, and over the output; a trace without a date says so."""
+    import html
+
+    import app.studio as studio_module
+    from app.settings import Settings
+    from fixtures.fake_engine import fake_factory
+
+    studio, state = studio_module.Studio(fake_factory(), Settings()), studio_module.SessionState()
+    runs, codec, _ = loads(studio_trace([0.1, 0.2]))
+    path = studio._export(runs, codec.decode, {"primary": "autoregressive", "pair": "Bundled: a pair"})
+    recorded = json.loads(Path(path).read_text())["meta"]["recorded"]
+    assert recorded.endswith(" UTC") and recorded[:2] == "20"
+    said = list(studio.replay(state, path, "instant"))
+    about = f"Replay of a trace recorded on {recorded}, Bundled: a pair: no model runs"
+    assert all(about in html.unescape(m[0]) for m in said) and about in said[-1][1]  # the page's status, the plain one
+    assert about in html.unescape(said[-1][2])  # over the output
+    undated = tmp_path / "undated.json"
+    undated.write_text(studio_trace([0.1]))
+    assert "recorded on a date the file does not say" in list(studio.replay(state, str(undated), "instant"))[-1][1]
 
 
 def test_instant_replay_plays_everything_at_once():

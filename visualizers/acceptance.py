@@ -22,7 +22,8 @@ from specextend.metrics import acceptance_by_source, node_depths, step_tokens_by
 
 from .common import (
     LINE_EM, REFERENCE_WIDTH, STATUS_COLORS, TITLE_PAD, TITLE_SIZE, Decode, Spec, accepted_kind, base_layout,
-    draft_name, has_draft, hover_text, message_spec, method_of, of, sat_out_note, small, title, title_height, wrapped,
+    draft_name, has_draft, hover_text, message_spec, method_of, none_yet, of, sat_out_note, small, title, title_height,
+    wrapped,
 )
 
 HOVER_STEPS = 200  # hover text is kept for the most recent steps only, so a redraw stays small
@@ -219,7 +220,7 @@ def acceptance_spec(events: Sequence[Event], decode: Decode) -> Spec:
     if method_of(events) == "autoregressive":
         return message_spec("the target alone drafts nothing: each step commits one token of its own")
     if not verified:
-        return message_spec("waiting for the first step")
+        return message_spec(none_yet(events, "step", "waiting for the first step"))
     trees = {d.step: d for d in of(events, Drafted)}
     name = draft_name(events)
     shown = verified[-CELL_STEPS:]

@@ -201,6 +201,17 @@ def ending(events: Sequence[Event]) -> str:
     return STOP_REASONS.get(reason, reason)
 
 
+def none_yet(events: Sequence[Event], what: str, waiting: str) -> str:
+    """Why a run shows no `what` yet: `waiting` (what it waits for) while it goes; once it has ended without one, how:
+    "stopped before the first step", or "the run ended (reached the token limit) before the first step"."""
+    reason = stop_reason(events)
+    if reason == "running":
+        return waiting
+    if reason == "stopped":
+        return f"stopped before the first {what}"
+    return f"the run ended ({ending(events)}) before the first {what}"
+
+
 def color(method: str) -> str:
     return RUN_STYLES[method][0] if method in RUN_STYLES else "#444444"
 

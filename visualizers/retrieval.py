@@ -26,8 +26,8 @@ from specextend.events import Event, Prefilled, Retrieved, Verified
 from specextend.metrics import Yield, copies, new_tokens, retrieval_yield, tokens_by_source
 
 from .common import (
-    STATUS_COLORS, Decode, Spec, base_layout, draft_name, hover_text, message_spec, method_of, of, prompt_ids,
-    sat_out_note, title,
+    STATUS_COLORS, Decode, Spec, base_layout, draft_name, hover_text, message_spec, method_of, none_yet, of,
+    prompt_ids, sat_out_note, title,
 )
 
 MAX_COLUMNS = 400  # more chunks than this are binned so a redraw stays small
@@ -310,14 +310,14 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
         if copies(events):
             return lookup_spec(events, decode)
         if method == "lookup":
-            return message_spec("waiting for the first copy: lookup proposes what followed earlier occurrences "
-                                "of the newest words")
+            return message_spec(none_yet(events, "copy", "waiting for the first copy: lookup proposes what followed "
+                                                         "earlier occurrences of the newest words"))
         if method in ("autoregressive", "speculative"):
             why = "this method keeps the full prefix in the draft cache: there is no retrieval to show"
             if method == "autoregressive":
                 why = "the target alone uses no draft: there is no retrieval to show"
             return message_spec(why)
-        return message_spec("waiting for the first retrieval (it comes right after prefill)")
+        return message_spec(none_yet(events, "retrieval", "waiting for the first retrieval (it comes right after prefill)"))
 
     latest = retrievals[-1]
     grid = chunk_grid(latest)

@@ -16,7 +16,8 @@ from specextend.events import Drafted, Event, Finished, Prefilled, Retrieved, Ve
 from specextend.metrics import committed_curve, source_of
 
 from .common import (
-    STATUS_COLORS, Decode, draft_name, gate_reason, guessed_nodes, lookup_on, method_of, of, proposed_by,
+    STATUS_COLORS, Decode, draft_name, gate_reason, guessed_nodes, lookup_on, method_of, none_yet, of, proposed_by,
+    stop_reason,
 )
 from .retrieval import changed
 
@@ -100,11 +101,15 @@ def _by_source(events: Sequence[Event], d: Drafted, accepted: Sequence[int]) -> 
 def step_html(events: Sequence[Event], step: int, decode: Decode) -> str:
     """One step in words: what the draft read and proposed, what the target kept and added."""
     last = last_step(events)
-    head = f"<b>Step {step} of {last}</b>"
+    ended = stop_reason(events) != "running"
+    # a run that ended before its first step has no step to count: it says how it ended instead of "Step 0 of 0"
+    said = none_yet(events, "step", "")
+    head = f"<b>{said[:1].upper()}{said[1:]}</b>" if ended and last == 0 else f"<b>Step {step} of {last}</b>"
     if step <= 0:
         prefilled = of(events, Prefilled)
         if not prefilled:
-            return f"<div class='se-step'>{head}: the run has not finished its prefill.</div>"
+            during = "it ended during the prefill" if ended else "the run has not finished its prefill"
+            return f"<div class='se-step'>{head}: {during}.</div>"
         p = prefilled[0]
         return (f"<div class='se-step'>{head}: the target read the prompt ({p.prompt_len:,} tokens) and wrote the first "
                 f"token {_quote(decode, [p.first_token])}.</div>")

@@ -9,9 +9,11 @@ from __future__ import annotations
 import html
 from typing import Sequence
 
-from specextend.events import Event, Finished, Prefilling, Started
+from specextend.events import Event, Finished, Prefilled, Prefilling, Started
 
-from .common import STATUS_COLORS, Decode, draft_name, guessed_nodes, of, proposed_by, segments, started, stop_reason
+from .common import (
+    STATUS_COLORS, Decode, draft_name, guessed_nodes, none_yet, of, proposed_by, segments, started, stop_reason,
+)
 from .steps import focus
 
 LEGEND = (
@@ -58,16 +60,23 @@ def output_html(events: Sequence[Event], decode: Decode, at_step: int | None = N
                                  "this; the target wrote the last token of the step instead",
                                  html.escape(decode([step.drafted.tokens[n] for n in guess]))))
     reason = stop_reason(events)
-    note = {"running": "…", "stopped": " ⏹ stopped", "eos": "", "max_new_tokens": " [token limit]"}.get(reason, "")
-    body = "".join(parts) or f"<i>{html.escape(waiting_for(events))}</i>"
+    note = {"running": "…", "stopped": " ■ stopped", "eos": "", "max_new_tokens": " [token limit]"}.get(reason, "")
+    if not parts:  # nothing written: what the run waits for, or how it ended without a token (said once)
+        parts, note = [f"<i>{html.escape(waiting_for(events))}</i>"], note if reason == "running" else ""
+    body = "".join(parts)
     return f"{LEGEND}<div class='se-output'>{body}<span class='se-note'>{html.escape(note)}</span></div>"
 
 
 def waiting_for(events: Sequence[Event]) -> str:
     """What a run without output is waiting for, in words."""
-    if of(events, Finished):
-        return "no output"
     reading = of(events, Prefilling)
+    if of(events, Finished):
+        said = none_yet(events, "token", "")
+        if started(events) and not of(events, Prefilled):  # it ended while the prompt was being read
+            last = reading[-1] if reading else None
+            said += (f", during the prefill (the {last.model} had read {last.done:,} of {last.total:,} prompt tokens)"
+                     if last else ", during the prefill")
+        return said
     if reading:
         last = reading[-1]
         return (f"waiting for the first token: the {last.model} has read {last.done:,} of {last.total:,} prompt tokens "

@@ -21,8 +21,8 @@ from specextend.metrics import committed_curve, phase_seconds, summarize, tokens
 
 from .common import (
     CHAR_EM, REFERENCE_WIDTH, TITLE_PAD, TITLE_SIZE, Spec, base_layout, by_source_html, color, draft_name, ending,
-    has_draft, label, lookup_on, message_spec, method_of, short_label, thinned, title, title_height, with_lookup,
-    wrapped,
+    has_draft, label, lookup_on, message_spec, method_of, none_yet, short_label, stop_reason, thinned, title,
+    title_height, with_lookup, wrapped,
 )
 
 PHASE_COLORS = {
@@ -104,6 +104,10 @@ def throughput_spec(runs: Mapping[str, Sequence[Event]], at: tuple[str, float, i
     runs = {m: ev for m, ev in runs.items() if ev}
     if not runs:
         return message_spec("run a generation to see its speed (tick race mode to compare methods)")
+    if all(stop_reason(ev) != "running" and not committed_curve(ev) for ev in runs.values()):  # ended without a token
+        first = next(iter(runs.values()))
+        return message_spec(f"{none_yet(first, 'token', '')} ({max(ev[-1].t_s for ev in runs.values()):.1f} s in): "
+                            "no tokens to draw; the table below gives each run's time")
     data = []
     longest = 0
     for method, events in runs.items():
@@ -227,11 +231,14 @@ def speedup_headline(runs: Mapping[str, Sequence[Event]], rates: Mapping[str, fl
     return f"<div>Speedup, end to end: {' · '.join(parts)}</div>" if parts else ""
 
 
-def throughput_html(runs: Mapping[str, Sequence[Event]], load: float | None = None) -> str:
+def throughput_html(runs: Mapping[str, Sequence[Event]], load: float | None = None,
+                    not_run: Mapping[str, str] | None = None) -> str:
     """The race's headline (`speedup_headline`) over a table of tokens, time and tokens/s per run, with the speedup
     against each reference that ran (the target alone; standard speculative decoding where the run drafted from the
     same sources, else "not comparable"), and a note on how far one run's timings can be trusted. `load`: the
-    machine's load per core while it ran, when known (above 1, runs waited for a core)."""
+    machine's load per core while it ran, when known (above 1, runs waited for a core). A run that made no token shows
+    its clock when it ended (its prefill's time counts); `not_run`: the click's methods that never started, each with
+    why ("stopped"), listed as not run."""
     summaries = {m: summarize(ev) for m, ev in runs.items() if ev}
     if not summaries:
         return ""
@@ -240,12 +247,17 @@ def throughput_html(runs: Mapping[str, Sequence[Event]], load: float | None = No
     for method, s in summaries.items():
         cells = "".join(_speedup_cell(runs, method, r, s.e2e_tokens_per_s / summaries[r].e2e_tokens_per_s)
                         if r != method and s.e2e_tokens_per_s > 0 else "<td></td>" for r in references)
+        made = s.new_tokens > 0
+        took = s.total_s if made else runs[method][-1].t_s  # no token yet: the run's clock (a stopped prefill's time)
+        speeds = (f"<td><b>{s.e2e_tokens_per_s:.1f}</b></td><td>{s.decode_tokens_per_s:.1f}</td>"
+                  f"<td>{s.mean_accepted:.2f}{by_source_html(runs[method])}</td>") if made else "<td>—</td>" * 3
         rows.append(
             f"<tr><td><span style='color:{color(method)}'>■</span> {html.escape(with_lookup(runs[method], label(method)))}</td>"
-            f"<td>{html.escape(ending(runs[method]))}</td><td>{s.new_tokens}</td><td>{s.total_s:.2f} s</td>"
-            f"<td><b>{s.e2e_tokens_per_s:.1f}</b></td><td>{s.decode_tokens_per_s:.1f}</td>"
-            f"<td>{s.mean_accepted:.2f}{by_source_html(runs[method])}</td>{cells}</tr>"
+            f"<td>{html.escape(ending(runs[method]))}</td><td>{s.new_tokens}</td><td>{took:.2f} s</td>{speeds}{cells}</tr>"
         )
+    for method, why in (not_run or {}).items():
+        rows.append(f"<tr><td><span style='color:{color(method)}'>■</span> {html.escape(label(method))}</td>"
+                    f"<td>did not run ({html.escape(why)})</td>{'<td></td>' * (5 + len(references))}</tr>")
     heads = "".join(f"<th>{html.escape(COMPARES[r])}</th>" for r in references)
     note = ("Speedups are end to end (prefill included) from one run of each method on the same input; on a shared "
             "machine a single run can be off by 10% or more.")
