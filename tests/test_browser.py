@@ -530,12 +530,11 @@ def test_a_step_typed_between_steps_or_out_of_range_is_drawn_where_the_control_s
     page.wait_for_selector("#stepper", state="visible", timeout=30_000)
     for typed, drawn in (("12.5", 13), ("999", last), ("-5", 0), ("7", 7)):
         page.fill("#step-slider input[type=number]", typed)
+        wait_for_step(page, drawn)  # the step in words, and the acceptance panel with a column per step up to it
         page.wait_for_function(
-            f"document.querySelector('#step-info')?.innerText.includes('Step {drawn} of {last}') && "
             f"document.querySelector('#step-slider input[type=number]').value === '{drawn}' && "
             f"document.querySelector('#step-slider input[type=range]').value === '{drawn}'", timeout=30_000)
-        if drawn:  # the acceptance panel as of that step: a column per step
-            assert len(plot_data(page, "acceptance-plot")[0]["x"]) == drawn, typed
+        assert f"Step {drawn} of {last}" in page.inner_text("#step-info"), typed
     page.close()
 
 
@@ -547,7 +546,7 @@ def test_every_symbol_the_page_writes_has_a_glyph_in_the_machines_fonts(studio_u
     root = Path(__file__).parent.parent
     chars = sorted({c for folder in ("app", "visualizers") for path in (root / folder).glob("*.py")
                     for c in path.read_text(encoding="utf-8") if ord(c) > 127 and c.strip()})
-    assert "■" in chars and "❚" in chars
+    assert len(chars) > 20  # the marks, arrows, dashes and quotes the page writes
     page = browser.new_page()
     page.goto(studio_url[0])
     page.wait_for_selector("#run")
