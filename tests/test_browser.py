@@ -483,16 +483,18 @@ def test_a_replay_says_so_and_stopped_in_its_prefill_leaves_nothing_stale(studio
 
 
 @pytest.mark.parametrize("engine", [ENGINE])
-def test_a_refused_click_clears_the_panels_and_a_new_input_clears_the_refusal(studio_url, browser, engine):
+def test_a_refused_click_clears_the_panels_and_a_new_input_clears_the_refusal(studio_url, browser, engine, tmp_path):
     """After a replay, Run on an empty document is refused: no panel still shows the replayed run, the step control
     and the trace download go; the refusal then gives way to "Ready" when the document is typed, when a sample is
-    picked, and when the workload changes."""
+    picked, when a file is uploaded, and when the workload changes."""
     url, _ = studio_url
+    upload = tmp_path / "notes.txt"
+    upload.write_text("An uploaded document, long enough to be read as one, about the sea and its tides. " * 4)
     page = open_replay(browser, url)
     page.click("#replay")
     wait_status(page, "Done.")
     page.wait_for_selector("#download", state="visible", timeout=30_000)
-    for change in ("type", "sample", "workload"):
+    for change in ("type", "sample", "upload", "workload"):
         page.fill("#document textarea", "")
         page.click("#run")
         wait_status(page, "The document is empty")
@@ -506,6 +508,10 @@ def test_a_refused_click_clears_the_panels_and_a_new_input_clears_the_refusal(st
         elif change == "sample":  # another sample than the one chosen as the page opened
             page.get_by_role("combobox", name="Sample document").click()
             page.get_by_role("option").nth(1).click()
+        elif change == "upload":
+            with page.expect_file_chooser() as chooser:
+                page.click("#upload")
+            chooser.value.set_files(str(upload))
         else:
             page.get_by_label("long output: write at length from a short prompt").check()
         wait_status(page, "Ready", timeout=10_000)
