@@ -125,8 +125,8 @@ def test_a_replay_at_recorded_pace_plays_each_event_when_it_came():
     began = time.perf_counter()
     came = [(e, time.perf_counter() - began) for e in replay(runs, 1.0)([1, 2], preset("autoregressive"), None)]
     assert [e for e, _ in came] == runs["autoregressive"]
-    for e, at in came:
-        assert e.t_s - 0.02 <= at <= e.t_s + 0.25, (e.t_s, at)
+    for e, at in came:  # never early; late only by what a busy machine's thread wake-up may take
+        assert e.t_s - 0.02 <= at <= e.t_s + 2.0, f"recorded at {e.t_s} s, played at {at:.2f} s"
 
 
 def test_a_long_recorded_run_is_not_sped_up_and_stop_ends_its_wait_at_once():
@@ -141,9 +141,9 @@ def test_a_long_recorded_run_is_not_sped_up_and_stop_ends_its_wait_at_once():
     assert not came  # the recorded step came 130 s in: it is not played after a wait of two seconds
     began = time.perf_counter()
     stop.set()
-    waiting.join(1.0)
+    waiting.join(30.0)
     assert came and isinstance(came[0], ev.Finished) and came[0].stop_reason == "stopped"
-    assert time.perf_counter() - began < 1.0
+    assert time.perf_counter() - began < 30.0, "Stop did not end the wait for the step recorded 130 s in"
 
 
 def studio_trace(times: list[float], elapsed: float = 0.0, **meta) -> str:
@@ -273,4 +273,4 @@ def test_instant_replay_plays_everything_at_once():
     runs = run_of([5.0, 10.0])
     began = time.perf_counter()
     assert len(list(replay(runs, 0.0)([1, 2], preset("autoregressive"), None))) == 3
-    assert time.perf_counter() - began < 0.5
+    assert time.perf_counter() - began < 5.0, "an instant replay waited for the recorded times (10 s)"
