@@ -19,6 +19,7 @@ from typing import Iterator
 
 import torch
 
+from . import numerics
 from .attention import AttentionPlan, placed
 from .cache import KVCache
 from .config import GenerationConfig
@@ -65,7 +66,7 @@ class FeatureDrafter(PolicyDrafter):
     """Drafts with an EAGLE head from a policy-managed working cache of head entries."""
 
     def __init__(self, head: EagleHead, config: GenerationConfig, policy: DraftCachePolicy, capacity: int) -> None:
-        self.head = head
+        self.head = numerics.apply(head, config.attention.numerics)  # the head's products in the target's numerics
         largest = max(config.draft.depth + 1, config.draft.width[0])  # the pending entries, or one tree level
         steps = config.attention.steps
         if policy.name is DraftCache.FULL:

@@ -58,7 +58,8 @@ class PackedLinear(SkinnyLinear):
     packed: torch.Tensor | None = None
     packed_bias: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @torch.no_grad()  # inference only: with autograd recording (an input that requires grad) the packed call took
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # 0.4 s instead of 0.3 ms for the head's 8,192-row output layer
         if self.packed is None or x.device.type != "cpu":
             return super().forward(x)
         out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.packed, self.packed_bias, "none", [], "")

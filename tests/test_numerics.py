@@ -84,3 +84,22 @@ def test_bad_numerics_is_refused():
         AttentionConfig(numerics="int3")
     with pytest.raises(ValueError, match="numerics"):
         numerics.kv_dtype("fp16")
+
+
+def test_roofline_quick_measures_every_setting(tmp_path):
+    """The roofline tool end to end on tiny shapes: bandwidth, kernels, each setting's forwards with bytes and FLOPs."""
+    import json
+
+    from specextend.tools import roofline
+
+    assert roofline.main(["--quick", "--out", str(tmp_path), "--rounds", "1", "--no-figure"]) == 0
+    report = json.loads((tmp_path / "roofline.json").read_text())
+    assert report["bandwidth"]["copy_GBps"] > 0 and report["bandwidth"]["read_GBps"] > 0
+    steps = report["steps"]
+    assert {(s["numerics"], s["rows"]) for s in steps} == {(n, r) for n in numerics.NUMERICS for r in roofline.ROWS}
+    by = {(s["length"], s["numerics"], s["rows"]): s for s in steps}
+    assert by[(64, "bf16", 1)]["bytes"] < by[(64, "fp32", 1)]["bytes"]  # half the weight bytes
+    assert by[(128, "bf16-kv", 1)]["bytes"] < by[(128, "bf16", 1)]["bytes"] < by[(128, "fp32", 1)]["bytes"]
+    assert all(s["target_ms"] > 0 and s["floor_ms"] > 0 and s["flops"] > 0 for s in steps)
+    assert {k["product"] for k in report["kernels"]} == {"q_proj", "up_proj"}
+    assert "| 128 | bf16-kv | 33 |" in (tmp_path / "roofline.md").read_text()
