@@ -38,7 +38,7 @@ def test_a_taken_port_is_a_message_with_the_fix(held_port):
     done = subprocess.run([sys.executable, "app.py"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode != 0
     assert f"port {held_port} on 127.0.0.1 is already in use" in done.stderr
-    assert "GRADIO_SERVER_PORT=" in done.stderr and "python app.py" in done.stderr
+    assert "GRADIO_SERVER_PORT=" in done.stderr and ".venv/bin/python app.py" in done.stderr  # as the README runs it
     assert "Traceback" not in done.stderr + done.stdout
     assert "Preloading" not in done.stderr
 
