@@ -183,7 +183,7 @@ def answer_requests(model, corpus: Corpus, prompter: Prompter, folder: Path, *, 
         answers = greedy_answers(model, prompts, max_new, stop, pad, batch)
         write_shard(folder, [Chat(i, p + a, len(p)) for i, p, a in zip(indices, prompts, answers)], note)
         done = indices[-1] + 1
-        say(f"answers: {done}/{count} ({sum(map(len, answers))} answer tokens in the last shard)")
+        say(f"{folder.name}: {done}/{count} requests answered ({sum(map(len, answers))} answer tokens in the last shard)")
     return done
 
 

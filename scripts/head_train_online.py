@@ -51,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--work", type=Path, required=True, help="corpus, answers, checkpoint and curve (resumable)")
     p.add_argument("--out", type=Path, help="the head folder written at the end (default: WORK/head)")
-    p.add_argument("--target", type=Path, help="the target's folder (default: the bundled target)")
+    p.add_argument("--target", type=Path, help="the target's folder or GGUF file (default: the bundled target)")
     p.add_argument("--init", type=Path, help="start from this head folder (its draft vocabulary kept)")
     p.add_argument("--resume", action="store_true", help="continue from WORK/checkpoint.pt")
     p.add_argument("--device", default="cpu")
@@ -66,9 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new", type=int, default=128, help="most tokens of an answer")
     p.add_argument("--gen-batch", type=int, default=16)
     p.add_argument("--shard", type=int, default=64, help="requests per shard of answers")
-    p.add_argument("--gen-dtype", default="auto", help="auto (bf16 on CUDA, else float32), float32 or bfloat16")
-    p.add_argument("--read-dtype", default="auto",
-                   help="auto (bf16 on CUDA, else where measured faster: models.prefill_dtype), float32 or bfloat16")
+    p.add_argument("--gen-dtype", default="auto",
+                   help="answers: auto (bf16 on CUDA, else where measured faster: models.prefill_dtype), float32, bfloat16")
+    p.add_argument("--read-dtype", default="auto", help="the target's reading for the head: as --gen-dtype")
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--chat-share", type=float, default=0.5, help="share of the stream's sequences that are chats")
     p.add_argument("--batch", type=int, default=8)
@@ -191,7 +191,8 @@ def prepare_data(args, target, prompter, pad: int, stop: tuple[int, ...], clock:
     """Phase 1: the held-out requests' answers, then the training requests' within their share of the budget.
     Returns (corpus, training chats, held-out sequences)."""
     corpus = head_data.load_corpus(args.work)
-    gen_model = in_dtype(target, dtype_of(args.gen_dtype, torch.device(args.device), lambda: torch.float32))
+    gen_model = in_dtype(target, dtype_of(args.gen_dtype, torch.device(args.device),
+                                          lambda: models.prefill_dtype(target, "auto")))
     answering = dict(seed=args.seed, doc_tokens=args.doc_tokens, max_new=args.max_new, stop=stop, pad=pad,
                      batch=args.gen_batch, shard=args.shard, say=say)
     head_data.answer_requests(gen_model, corpus, prompter, args.work / "held", count=args.held_chats, held=True,
@@ -335,9 +336,12 @@ def main(argv=None) -> None:
     signal.signal(signal.SIGTERM, clock.stop)  # a stop asked from outside ends training and still writes everything
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
-    folder = args.target or bundled.target_dir()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(args.device).eval()
+    path = args.target or bundled.target_dir()
+    # a folder, or a GGUF file (the bundled target's own Q4_1 file, dequantized here: what a GPU call can carry)
+    where = dict(pretrained_model_name_or_path=path.parent, gguf_file=path.name) if path.suffix == ".gguf" else dict(
+        pretrained_model_name_or_path=path)
+    tokenizer = AutoTokenizer.from_pretrained(**where)
+    target = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).to(args.device).eval()
     head_data.load_corpus(args.work, tokenizer)
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -1,0 +1,159 @@
+"""Measure what the online head pipeline's choices rest on, with the bundled target on this machine; prints JSON lines.
+
+  read      the target reading batches of corpus windows for the head (scripts/head_train_online.Reader) in float32
+            and in bfloat16, alternating: tokens/s each, and how far bf16 moves the labels and the streams
+  generate  answers to chat requests, one at a time against left-padded batches (head_data.greedy_answers):
+            answer tokens/s
+  online    one training step's parts per token: the target's reading, the head's step (training-time test), and
+            writing then reading the same batch's streams and labels as a shard would (float16 streams)
+
+  python -m scripts.head_measure read --work cache/head-online --repeats 5
+  python -m scripts.head_measure generate --work cache/head-online --prompts 16 --max-new 64
+  python -m scripts.head_measure online --work cache/head-online --repeats 3
+
+Timings on a shared machine are noisy: each compares alternating runs and reports medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from scripts import head_data
+from scripts.head_train_online import Reader, in_dtype, labelled
+from scripts.train_head import head_loss, make_head
+
+
+def load(threads: int):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specextend.tools import bundled
+
+    torch.set_num_threads(threads)
+    folder = bundled.target_dir()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    return tokenizer, target
+
+
+def timed(fn):
+    began = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - began, out
+
+
+def windows(corpus: head_data.Corpus, count: int, length: int) -> list[list[int]]:
+    starts = corpus.windows(length, held=False)[:: 97][:count]
+    return [corpus.ids[s:s + length].tolist() for s in starts]
+
+
+def measure_read(args, tokenizer, target, corpus) -> None:
+    readers = {"float32": Reader(target, torch.float32, 16), "bfloat16": Reader(target, torch.bfloat16, 16)}
+    seqs = windows(corpus, args.batch * args.repeats, args.window)
+    times: dict[str, list[float]] = {name: [] for name in readers}
+    labels: dict[str, list[dict]] = {name: [] for name in readers}
+    for r in range(args.repeats):
+        batch = seqs[r * args.batch:(r + 1) * args.batch]
+        for name in (readers if r % 2 == 0 else reversed(list(readers))):  # alternating which goes first
+            took, got = timed(lambda: labelled(readers[name], batch, 0, "cpu"))
+            times[name].append(took)
+            labels[name].append(got)
+    tokens = args.batch * args.window
+    for name, ts in times.items():
+        print(json.dumps({"measure": "read", "dtype": name, "batch": args.batch, "window": args.window,
+                          "tokens_per_s": round(tokens / statistics.median(ts)), "seconds": [round(t, 2) for t in ts]}))
+    f32, b16 = labels["float32"], labels["bfloat16"]
+    same_top1 = torch.cat([(a["top_id"][..., 0] == b["top_id"][..., 0]).flatten() for a, b in zip(f32, b16)])
+    overlap = torch.cat([(a["top_id"][..., :, None] == b["top_id"][..., None, :]).any(-1).float().mean(-1).flatten()
+                         for a, b in zip(f32, b16)])
+    err = [float((a["feats"].float() - b["feats"].float()).norm() / a["feats"].float().norm()) for a, b in zip(f32, b16)]
+    print(json.dumps({"measure": "labels", "bf16_vs_fp32_top1_same": round(float(same_top1.float().mean()), 4),
+                      "top16_overlap": round(float(overlap.mean()), 4),
+                      "streams_relative_error": round(statistics.median(err), 4)}))
+
+
+def measure_generate(args, tokenizer, target, corpus) -> None:
+    from specextend.tools import prompting
+
+    prompter = head_data.chat_prompter(tokenizer)
+    prompts = [head_data.request(corpus, prompter, 99, i, False, args.doc_tokens) for i in range(args.prompts)]
+    stop = prompting.stop_ids(tokenizer, target)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ways = [("float32", 1, prompts[:args.single]), *((d, b, prompts) for d in args.dtypes for b in args.batches)]
+    for r in range(args.repeats):
+        for dtype, batch, group in (ways if r % 2 == 0 else ways[::-1]):
+            model = in_dtype(target, getattr(torch, dtype))
+            took, answers = timed(lambda: head_data.greedy_answers(model, group, args.max_new, stop, pad, batch))
+            made = sum(map(len, answers))
+            print(json.dumps({"measure": "generate", "dtype": dtype, "batch": batch, "prompts": len(group),
+                              "prompt_tokens": sum(map(len, group)), "answer_tokens": made, "seconds": round(took, 1),
+                              "answer_tokens_per_s": round(made / took, 1)}), flush=True)
+
+
+def measure_online(args, tokenizer, target, corpus) -> None:
+    reader = Reader(target, torch.bfloat16, 16)
+    head = make_head(target, torch.arange(8192)).train()
+    to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
+    to_draft[:8192] = torch.arange(8192)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4)
+    seqs = windows(corpus, args.batch * args.repeats, args.window)
+    parts: dict[str, list[float]] = {"read": [], "head_step": [], "shard_write": [], "shard_read": []}
+    with tempfile.TemporaryDirectory(dir=args.work) as tmp:
+        for r in range(args.repeats):
+            took, batch = timed(lambda: labelled(reader, seqs[r * args.batch:(r + 1) * args.batch], 0, "cpu"))
+            parts["read"].append(took)
+            stored = {"ids": batch["ids"].int(), "feats": batch["feats"].half(), "top_lp": batch["top_lp"].half(),
+                      "top_id": batch["top_id"].int()}
+            path = Path(tmp) / f"shard-{r}.pt"
+            parts["shard_write"].append(timed(lambda: (torch.save(stored, path), os.sync()))[0])
+            os.posix_fadvise(os.open(path, os.O_RDONLY), 0, 0, os.POSIX_FADV_DONTNEED)  # read it from the disk
+            parts["shard_read"].append(timed(lambda: torch.load(path))[0])
+
+            def step():
+                loss, _ = head_loss(head, batch, to_draft, args.unroll)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            parts["head_step"].append(timed(step)[0])
+        size = path.stat().st_size
+    tokens = args.batch * args.window
+    per = {k: round(tokens / statistics.median(v)) for k, v in parts.items()}
+    print(json.dumps({"measure": "online", "batch": args.batch, "window": args.window, "unroll": args.unroll,
+                      "tokens_per_s": per, "shard_bytes_per_token": round(size / tokens),
+                      "seconds": {k: [round(t, 2) for t in v] for k, v in parts.items()}}))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("what", choices=("read", "generate", "online"))
+    p.add_argument("--work", type=Path, default=Path("cache/head-online"))
+    p.add_argument("--repeats", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--unroll", type=int, default=6)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--single", type=int, default=4, help="prompts answered one at a time")
+    p.add_argument("--batches", type=int, nargs="+", default=[16])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--doc-tokens", type=int, default=320)
+    p.add_argument("--max-new", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    tokenizer, target = load(args.threads)
+    corpus = head_data.load_corpus(args.work, tokenizer)
+    {"read": measure_read, "generate": measure_generate, "online": measure_online}[args.what](
+        args, tokenizer, target, corpus)
+
+
+if __name__ == "__main__":
+    main()
