@@ -44,7 +44,8 @@ from specextend.heads import feature_streams, load_head
 
 CHECKPOINT = "checkpoint.pt"
 CURVE = "curve.jsonl"
-STREAM_ARGS = ("seed", "window", "chat_share")  # fixed by a run's first command: the stream's order depends on them
+# fixed by a run's first command: the stream's order and the held-out set (so the curve stays one curve) depend on them
+STREAM_ARGS = ("seed", "window", "chat_share", "held_chats", "held_windows")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
