@@ -148,3 +148,14 @@ def test_training_text_sharing_a_run_of_words_with_a_figures_document_is_refused
     with pytest.raises(ValueError, match="play shares 'the quality of mercy"):
         pd_corpus.check_disjoint(quoting)
     pd_corpus.check_disjoint([("play", "the quality of mercy is not strained at all")])
+
+
+def test_a_run_out_of_time_still_writes_its_curve_checkpoint_and_head(tmp_path, target, corpus_ids):
+    work = work_folder(tmp_path / "late", corpus_ids)
+    clock = head_train_online.Clock(minutes=0, reserve_s=0)
+    clock.stop()  # as SIGTERM does: every phase is skipped, the end still runs
+    record = head_train_online.run(arguments(work), target, prompter, PAD, STOP, lambda _: None, clock)
+    assert record["steps"] == 0 and record["data"]["answers"]["requests"] == 0  # no answer, no step
+    assert len(curve(work)) == 1 and (work / head_train_online.CHECKPOINT).is_file()
+    assert curve(work)[0]["held_positions"] == 3 * 23  # three held-out windows of 24 tokens, 23 positions each
+    assert load_head(work / "head", target, torch.device("cpu"), torch.float32) is not None
