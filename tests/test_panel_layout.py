@@ -17,7 +17,7 @@ from specextend.events import Started
 from visualizers import acceptance_spec, heads_spec, needle_spec, retrieval_spec, throughput_spec
 from visualizers.acceptance import LABEL_CHARS
 from visualizers.common import CHAR_EM, LINE_EM, REFERENCE_WIDTH, TITLE_PAD, TITLE_SIZE
-from visualizers.retrieval import LABEL_PX
+from visualizers.retrieval import BASE_TOP, LABEL_PX
 from visualizers.throughput import LEGEND_ROW_PX, legend_rows
 
 PROMPT = list(range(100, 1300))
@@ -83,19 +83,49 @@ def panels(head_and_lookup):
     }
 
 
+def assert_title_fits(name: str, spec) -> None:
+    """The title stays above the plots (and the legend over them) and each of its lines within the width."""
+    layout, title = spec["layout"], spec["layout"]["title"]
+    lines = lines_of(title["text"])
+    # plotly places a block of lines by its first line: its foot is hung from the top
+    assert title.get("yref") == "container" and title.get("yanchor") == "bottom", name
+    first_foot = (1 - title["y"]) * layout["height"]
+    last_foot = first_foot + (len(lines) - 1) * LINE_EM * TITLE_SIZE
+    over_plots = spec["layout"].get("legend", {}).get("yanchor") == "bottom"  # the runs' legend, over the curves
+    legend_px = LEGEND_ROW_PX * legend_rows_of(spec) if over_plots else 0
+    assert last_foot + 0.3 * TITLE_SIZE + legend_px <= layout["margin"]["t"], name  # descenders included
+    for text, size in lines:
+        assert width_px(text, size) <= REFERENCE_WIDTH - 2 * TITLE_PAD, (name, text)
+
+
 def test_titles_stay_above_the_plots_and_within_the_width(head_and_lookup):
     for name, spec in panels(head_and_lookup).items():
-        layout, title = spec["layout"], spec["layout"]["title"]
-        lines = lines_of(title["text"])
-        # plotly places a block of lines by its first line: its foot is hung from the top
-        assert title.get("yref") == "container" and title.get("yanchor") == "bottom", name
-        first_foot = (1 - title["y"]) * layout["height"]
-        last_foot = first_foot + (len(lines) - 1) * LINE_EM * TITLE_SIZE
-        over_plots = spec["layout"].get("legend", {}).get("yanchor") == "bottom"  # the runs' legend, over the curves
-        legend_px = LEGEND_ROW_PX * legend_rows_of(spec) if over_plots else 0
-        assert last_foot + 0.3 * TITLE_SIZE + legend_px <= layout["margin"]["t"], name  # descenders included
-        for text, size in lines:
-            assert width_px(text, size) <= REFERENCE_WIDTH - 2 * TITLE_PAD, (name, text)
+        assert_title_fits(name, spec)
+
+
+def test_the_retrieval_headline_wraps_to_the_width_and_keeps_its_colour(head_and_lookup, bigram_pair):
+    from specextend.engine import generate
+
+    events, decode = hamlet()
+    lookup = list(generate(bigram_pair, [(7 * i) % 97 for i in range(260)], preset("lookup", max_new_tokens=60)))
+    specs = {
+        "recorded": retrieval_spec(events, decode),
+        "recorded, needle tab": retrieval_spec(events, decode, ("needle", (300, 340)), height=300),
+        "head and lookup": retrieval_spec(head_and_lookup, long_words),  # a third part: the latest copy
+        "streaming": retrieval_spec(fake("streaming"), long_words),
+        "lookup alone": retrieval_spec(lookup, long_words),
+    }
+    for name, spec in specs.items():
+        assert_title_fits(name, spec)
+    for name in ("recorded", "recorded, needle tab", "head and lookup"):
+        text = specs[name]["layout"]["title"]["text"]
+        assert re.search(r"<span style='color:#2a9d8f'>\d+ reaching back</span>", text), name  # whole, in its span
+        assert "lookup copied" in text if name == "head and lookup" else "lookup" not in text
+    plain = [line for line, _ in lines_of(specs["recorded"]["layout"]["title"]["text"])]
+    assert len(plain) >= 3 and plain[0].startswith("Retrieval after step 36: 8 of 44 chunks")
+    assert any("“a grand and beautiful" in line for line in plain)  # the best chunk's text, wrapped, not cut off
+    needle = specs["recorded, needle tab"]["layout"]  # a headline of more lines makes the panel taller, not the plots
+    assert needle["margin"]["t"] > BASE_TOP and needle["height"] - needle["margin"]["t"] == 300 - BASE_TOP
 
 
 def legend_rows_of(spec) -> int:

@@ -216,14 +216,17 @@ def color(method: str) -> str:
     return RUN_STYLES[method][0] if method in RUN_STYLES else "#444444"
 
 
+def clipped(text: str, limit: int) -> str:
+    """Plain text on one line (each run of whitespace one space), cut with an ellipsis past `limit` characters."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 @lru_cache(maxsize=8192)
 def hover_text(text: str, width: int = 64, limit: int = 280) -> str:
     """Escape text for a Plotly hover label and wrap it into lines of about ``width`` characters."""
-    text = " ".join(text.split())
-    if len(text) > limit:
-        text = text[: limit - 1] + "…"
     lines, line = [], ""
-    for word in text.split(" "):
+    for word in clipped(text, limit).split(" "):
         if line and len(line) + 1 + len(word) > width:
             lines.append(line)
             line = word
@@ -281,6 +284,16 @@ def wrapped(text: str, px: float, size: float, limit: int = 10_000) -> list[str]
 def small(lines: Sequence[str]) -> str:
     """Title lines (escaped HTML) in the 12-pixel font of a headline's second lines, each line its own span."""
     return "<br>".join(f"<span style='font-size:12px'>{line}</span>" for line in lines)
+
+
+def ending_in_colour(text: str, phrase: str, colour: str, px: float, size: float) -> list[str]:
+    """Plain `text`, then `phrase` in `colour`, as escaped title lines that fit `px` pixels at font `size`: the phrase
+    kept whole in its span, on the last line of the text where it fits there, else on a line of its own."""
+    lines = wrapped(text, px, size)
+    end = f"<span style='color:{colour}'>{html.escape(phrase, quote=False)}</span>"
+    if len(html.unescape(lines[-1])) + 1 + len(phrase) <= fits(px, size):
+        return [*lines[:-1], f"{lines[-1]} {end}"]
+    return [*lines, end]
 
 
 def title(text: str, height: int) -> dict[str, Any]:

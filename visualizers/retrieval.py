@@ -26,8 +26,9 @@ from specextend.events import Event, Prefilled, Retrieved, Verified
 from specextend.metrics import Yield, copies, new_tokens, retrieval_yield, tokens_by_source
 
 from .common import (
-    STATUS_COLORS, Decode, Spec, base_layout, draft_name, hover_text, message_spec, method_of, none_yet, of,
-    prompt_ids, sat_out_note, title,
+    REFERENCE_WIDTH, STATUS_COLORS, TITLE_PAD, TITLE_SIZE, Decode, Spec, base_layout, clipped, draft_name,
+    ending_in_colour, hover_text, message_spec, method_of, none_yet, of, prompt_ids, sat_out_note, small, title,
+    title_height, wrapped,
 )
 
 MAX_COLUMNS = 400  # more chunks than this are binned so a redraw stays small
@@ -37,7 +38,10 @@ STRIP_TEXT = 40_000  # characters of chunk text the strip's hovers share (each g
 OUTPUT_BAND = "#7d8597"  # the band under the strip's chunks of the model's own output
 GAP = 24  # pixels between the strip and the heatmap, where that band runs
 STRIP_PX = 44  # pixels per strip row
-MARGIN_T, MARGIN_B = (60, 76), 40  # the top margin under a title of two lines (one strip row) or three (two rows)
+MARGIN_B = 40
+BASE_TOP = 60  # the top margin panel_height allows for (a title of two lines); a taller title makes the panel taller
+MARKS_PX = 9  # between the title and the strip, where the + / − marks over the strip reach up
+LINE_PX = REFERENCE_WIDTH - 2 * TITLE_PAD  # the headline's lines are wrapped to the narrowest figure's width
 LABEL_PX = 14  # the least pixels between two of the numbers at the heatmap's right for them to stay apart
 SELECTED = "#1d3557"
 OUTLINE = "#e63946"
@@ -78,13 +82,22 @@ def _rows_that_fit(columns: int) -> int:
 
 
 def panel_height(n_rows: int, strips: int, height: int | None = None) -> int:
-    """The panel's height in pixels: `height` where the caller sets it, else grown with the heatmap's rows."""
+    """The panel's height in pixels under a title of two lines: `height` where the caller sets it, else grown with
+    the heatmap's rows."""
     return height or 170 + STRIP_PX * (strips - 1) + min(260, 4 * n_rows + 40)
 
 
-def heat_pixels(height: int, strips: int) -> int:
-    """The heatmap's height in pixels in a panel `height` pixels tall with `strips` strip rows over it."""
-    return height - MARGIN_T[strips - 1] - MARGIN_B - STRIP_PX * strips - GAP
+def frame(headline: str, n_rows: int, strips: int, height: int | None = None) -> tuple[int, int]:
+    """(the panel's height, its top margin) in pixels: panel_height, grown by what the headline's lines take over
+    two lines', so the strip and the heatmap keep their pixels however many lines the headline wraps into."""
+    top = title_height(headline) + MARKS_PX
+    return panel_height(n_rows, strips, height) + top - BASE_TOP, top
+
+
+def heat_pixels(height: int, top: int, strips: int) -> int:
+    """The heatmap's height in pixels in a panel `height` pixels tall, `top` of them over the plots, with `strips`
+    strip rows over it."""
+    return height - top - MARGIN_B - STRIP_PX * strips - GAP
 
 
 def _label_every(n_rows: int, pixels: float) -> int:
@@ -197,11 +210,12 @@ def _copied_outline(latest: tuple[int, tuple[int, ...]] | None, size: int, width
 
 def _copy_headline(latest: tuple[int, tuple[int, ...]] | None, total: int, sequence: Sequence[int], prompt_len: int,
                    decode: Decode) -> str:
+    """The latest accepted copy in words (plain text)."""
     if latest is None:
         return "lookup has copied nothing the target accepted yet"
     step, origins = latest
     where = "the document" if origins[0] < prompt_len else "the output itself"
-    text = hover_text(decode(sequence[origins[0] : origins[-1] + 1]), width=1000, limit=60)
+    text = clipped(decode(sequence[origins[0] : origins[-1] + 1]), limit=60)
     return (f"lookup copied {total} accepted token(s) so far; step {step} copied “{text}” from {where} "
             f"(tokens {origins[0]}–{origins[-1] + 1})")
 
@@ -233,10 +247,14 @@ def lookup_spec(events: Sequence[Event], decode: Decode, chunk_size: int = 32) -
             "hovertemplate": "step %{y} copied from chunk %{x}: %{z:.0f}<extra></extra>", "yaxis": "y2",
             "meta": {"stepOffset": 0}}  # a click on a row is that step
     total = sum(len(o) for _, o in found)
-    headline = (f"Lookup: {total} accepted token(s) copied, from {sum(c > 0 for c in counts)} of {n} chunks<br>"
-                f"<span style='font-size:12px'>{_copy_headline(latest, total, sequence, prompt_len, decode)}</span>")
+    headline = "<br>".join([
+        *wrapped(f"Lookup: {total} accepted token(s) copied, from {sum(c > 0 for c in counts)} of {n} chunks",
+                 LINE_PX, TITLE_SIZE),
+        small(wrapped(_copy_headline(latest, total, sequence, prompt_len, decode), LINE_PX, 12)),
+    ])
     first_output = math.ceil(prompt_len / chunk_size)
-    return {"data": [strip, heat], "layout": _layout(events, headline, width, columns, len(shown), chunk_size,
+    height, top = frame(headline, len(shown), 1)
+    return {"data": [strip, heat], "layout": _layout(events, headline, height, top, width, columns, len(shown), chunk_size,
                                                      [r[0] for r in shown], _copied_outline(latest, chunk_size, width),
                                                      [], rows_title="step that copied", strip_rows=(1,),
                                                      output_from=first_output if prompt_len and first_output < n else None)}
@@ -255,16 +273,13 @@ def _output_marks(output_from: int, boundary: float, last: float, band: tuple[fl
     return shape, note
 
 
-def _layout(events: Sequence[Event], headline: str, width: int, columns: list[int], n_rows: int,
-            chunk_size: int, row_ticks: list[int], shapes: list[dict], annotations: list[dict], rows_title: str,
-            strip_rows: tuple[int, ...], height: int | None = None, right: float = 0.5,
-            output_from: int | None = None) -> dict:
-    """The panel's layout: the strip rows (0: CMR's chunks, 1: lookup's copies) over the history heatmap; from chunk
-    `output_from` on, the chunks are the model's own output."""
+def _layout(events: Sequence[Event], headline: str, height: int, top: int, width: int, columns: list[int],
+            n_rows: int, chunk_size: int, row_ticks: list[int], shapes: list[dict], annotations: list[dict],
+            rows_title: str, strip_rows: tuple[int, ...], right: float = 0.5, output_from: int | None = None) -> dict:
+    """The panel's layout, `height` pixels tall with `top` over the plots (`frame`): the strip rows (0: CMR's chunks,
+    1: lookup's copies) over the history heatmap; from chunk `output_from` on, the chunks are the model's own output."""
     prompt_len = len(prompt_ids(events))
     seq_len = prompt_len + len(new_tokens(events))
-    height = panel_height(n_rows, len(strip_rows), height)
-    top = MARGIN_T[len(strip_rows) - 1]
     plot = height - top - MARGIN_B
     strip_share = STRIP_PX * len(strip_rows) / plot
     gap = GAP / plot
@@ -386,14 +401,37 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
         "hoverinfo": "text", "meta": NEXT_STEP,
     }
     found = copies(events)
+    added, dropped = changed(latest, retrievals[-2] if len(retrievals) > 1 else None)
+    of_output = f", {len(from_output)} of them from the output" if output_from is not None else ""
+    if latest.scores:
+        # the attention sink (chunk 0) always scores high and is always kept: name the best chunk after it
+        best = max(range(min(1, n - 1), n), key=lambda i: latest.scores[i] if i < len(latest.scores) else -1.0)
+        s, e = grid[best]
+        snippet = clipped(decode(sequence[s:e]), limit=40 if height else 64)  # the needle tab's panels set a height
+        signal = f" ({latest.signal} signal)" if latest.signal else ""
+        moved = f", +{len(added)} / −{len(dropped)} since step {retrievals[-2].step}" if len(retrievals) > 1 else ""
+        lines = [*ending_in_colour(f"Retrieval after step {latest.step}{signal}: {len(kept)} of {n} chunks in the "
+                                   f"draft's working cache{of_output},", f"{len(far)} reaching back", FAR, LINE_PX,
+                                   TITLE_SIZE),
+                 small(wrapped(f"{latest.working_cache_len} tokens{moved} · after the sink, the signal scores chunk "
+                               f"{best} highest: “{snippet}”", LINE_PX, 12))]
+    else:
+        lines = [*wrapped(f"StreamingLLM window after step {latest.step}: {latest.working_cache_len} tokens "
+                          f"({len(kept)} of {n} chunks{of_output})", LINE_PX, TITLE_SIZE),
+                 small(wrapped("the attention sink plus the most recent tokens, whatever the output is about", LINE_PX,
+                               12))]
+    if found:  # the latest accepted copy, under CMR's choice
+        total = sum(len(o) for _, o in found)
+        lines.append(small(wrapped(_copy_headline(found[-1], total, sequence, prompt_len, decode), LINE_PX, 12)))
+    headline = "<br>".join(lines)
     strip_rows = (0, 1) if found else (0,)  # lookup's copies, where any were accepted, get a strip row under CMR's
-    height = panel_height(len(shown), len(strip_rows), height and height + STRIP_PX * (len(strip_rows) - 1))
+    height, top = frame(headline, len(shown), len(strip_rows), height and height + STRIP_PX * (len(strip_rows) - 1))
     right, data = 0.5, []
     if latest.scores:  # what each retrieval bought: the draft's own tokens accepted per step it drafted
         right = 3.5
         name = draft_name(events)
         bought = {y.step: y for y in retrieval_yield(events)}
-        every = _label_every(len(shown), heat_pixels(height, len(strip_rows)))
+        every = _label_every(len(shown), heat_pixels(height, top, len(strip_rows)))
         data.append({"type": "scatter", "mode": "text", "x": [columns[-1] + 2.2 * width] * len(shown),
                      "y": [r.step for r in shown], "yaxis": "y2", "cliponaxis": False, "showlegend": False,
                      "text": [_yield_mark(bought.get(r.step)) if (len(shown) - 1 - i) % every == 0 else ""
@@ -411,7 +449,6 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
          "line": {"color": FAR, "width": 3}, "fillcolor": "rgba(0,0,0,0)"}
         for a, b in _runs([c // width * width for c in far])
     ]
-    added, dropped = changed(latest, retrievals[-2] if len(retrievals) > 1 else None)
     annotations = _change_marks(added, dropped, width)
     if latest.scores:
         annotations.append({"text": "draft tokens<br>per step", "xref": "x", "yref": "paper", "x": columns[-1] + 2.2 * width,
@@ -426,23 +463,6 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
         annotations.append({"text": f"▼ {html.escape(name)}", "xref": "x", "yref": "paper", "x": (first + last) / 2,
                             "y": 1.0, "yanchor": "bottom", "showarrow": False, "font": {"size": 11, "color": "#9a6700"}})
 
-    of_output = f", {len(from_output)} of them from the output" if output_from is not None else ""
-    if latest.scores:
-        # the attention sink (chunk 0) always scores high and is always kept: name the best chunk after it
-        best = max(range(min(1, n - 1), n), key=lambda i: latest.scores[i] if i < len(latest.scores) else -1.0)
-        s, e = grid[best]
-        snippet = hover_text(decode(sequence[s:e]), width=1000, limit=40 if height else 64)
-        signal = f" ({latest.signal} signal)" if latest.signal else ""
-        moved = f", +{len(added)} / −{len(dropped)} since step {retrievals[-2].step}" if len(retrievals) > 1 else ""
-        headline = (f"Retrieval after step {latest.step}{signal}: {len(kept)} of {n} chunks in the draft's working cache"
-                    f"{of_output}, <span style='color:{FAR}'>{len(far)} reaching back</span>"
-                    f"<br><span style='font-size:12px'>{latest.working_cache_len} tokens{moved} · after the sink, the "
-                    f"signal scores chunk {best} highest: “{snippet}”</span>")
-    else:
-        headline = (f"StreamingLLM window after step {latest.step}: {latest.working_cache_len} tokens "
-                    f"({len(kept)} of {n} chunks{of_output})<br><span style='font-size:12px'>the attention sink plus "
-                    "the most recent tokens, whatever the output is about</span>")
-
     if found:  # lookup's copies beside CMR's choice: two kinds of retrieval on one strip
         size = max(latest.chunk_size, 1)
         counts, copy_texts = _copy_row(found, size, n, columns, sequence, decode)
@@ -450,11 +470,9 @@ def retrieval_spec(events: Sequence[Event], decode: Decode, mark: tuple[str, tup
         data.append({**strip, "y": [1], "z": [_binned([c / most for c in counts], width)], "text": [copy_texts],
                      "colorscale": [[0.0, "#f1f5f9"], [1.0, STATUS_COLORS["copied"]]]})
         shapes += _copied_outline(found[-1], size, width)
-        total = sum(len(o) for _, o in found)
-        headline += f"<br><span style='font-size:12px'>{_copy_headline(found[-1], total, sequence, prompt_len, decode)}</span>"
-    layout = _layout(events, headline, width, columns, len(shown), latest.chunk_size, [r.step for r in shown], shapes,
-                     annotations, rows_title="retrieval after step", strip_rows=strip_rows, height=height, right=right,
-                     output_from=output_from)
+    layout = _layout(events, headline, height, top, width, columns, len(shown), latest.chunk_size,
+                     [r.step for r in shown], shapes, annotations, rows_title="retrieval after step",
+                     strip_rows=strip_rows, right=right, output_from=output_from)
     return {"data": data, "layout": layout}
 
 
