@@ -198,7 +198,11 @@ def test_the_speed_table_names_what_each_ratio_compares_and_claims_no_unfair_one
     spec_row = next(r for r in table.split("<tr>") if "SpecExtend + lookup" in r)
     assert spec_row.count("×") == 1 and ">not comparable</span>" in spec_row  # over the target alone only
     alone = {"lookup": trace("lookup"), "speculative": trace("speculative")}
-    assert "not comparable: lookup drafted from lookup, speculative from the draft model" in throughput_html(alone)
+    assert ("not comparable: lookup drafting alone drafted from lookup only; speculative from the draft model"
+            in throughput_html(alone))
+    alone["speculative"] = trace("speculative", lookup=on)
+    assert ("not comparable: lookup drafting alone drafted from lookup only; speculative from the draft model and "
+            "lookup") in throughput_html(alone)
 
 
 def test_output_html_colours_accepted_draft_tokens_and_escapes_text():

@@ -195,15 +195,19 @@ def sources(events: Sequence[Event]) -> tuple[str, bool]:
 
 
 def sources_words(events: Sequence[Event]) -> str:
-    """What a run drafted from, in words ("the draft model and lookup", "lookup", "nothing" for the target alone)."""
+    """What a run drafted from, in words ("the draft model and lookup", "lookup only", "nothing" for the target
+    alone)."""
     draft, lookup = sources(events)
-    return " and ".join([f"the {draft}"] * bool(draft) + ["lookup"] * lookup) or "nothing"
+    return " and ".join([f"the {draft}"] * bool(draft) + ["lookup"] * lookup) + " only" * (lookup and not draft) or \
+        "nothing"
 
 
 def like_for_like(runs: Mapping[str, Sequence[Event]], method: str, reference: str) -> tuple[bool, str]:
     """Whether two runs drafted from the same sources (the same draft; lookup in both or in neither), so that their
     speeds compare what differs between the methods alone; and in words: "both with lookup, the same draft model", or
-    "not comparable: SpecExtend drafted with lookup, speculative without"."""
+    "not comparable: SpecExtend drafted with lookup, speculative without", or "not comparable: lookup drafting alone
+    drafted from lookup only; speculative from the EAGLE-3 head and lookup" (a run of lookup alone by its full name:
+    its short one is the source's)."""
     (draft, lookup), (ref_draft, ref_lookup) = sources(runs[method]), sources(runs[reference])
     if (draft, lookup) == (ref_draft, ref_lookup):
         return True, f"both {'with' if lookup else 'without'} lookup" + (f", the same {draft}" if draft else "")
@@ -211,7 +215,8 @@ def like_for_like(runs: Mapping[str, Sequence[Event]], method: str, reference: s
     if draft == ref_draft:
         return False, (f"not comparable: {name} drafted {'with' if lookup else 'without'} lookup, {ref_name} "
                        f"{'with' if ref_lookup else 'without'}")
-    return False, (f"not comparable: {name} drafted from {sources_words(runs[method])}, {ref_name} from "
+    name, ref_name = (label(m) if sources(runs[m]) == ("", True) else short_label(m) for m in (method, reference))
+    return False, (f"not comparable: {name} drafted from {sources_words(runs[method])}; {ref_name} from "
                    f"{sources_words(runs[reference])}")
 
 
