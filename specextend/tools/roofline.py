@@ -256,14 +256,14 @@ def figure(report: dict):
     for col, length in enumerate(lengths, 1):
         for setting in dict.fromkeys(s["numerics"] for s in report["steps"]):
             here = [s for s in report["steps"] if s["length"] == length and s["numerics"] == setting]
-            x = [f"{s['rows']} rows" for s in here]
+            x = [f"{s['rows']} / {setting}" for s in here]
             fig.add_bar(x=x, y=[s["target_ms"] for s in here], name=setting, legendgroup=setting, showlegend=col == 1,
-                        marker_color=colours.get(setting))
+                        marker_color=colours.get(setting), row=1, col=col)
             fig.add_scatter(x=x, y=[s["floor_ms"] for s in here], mode="markers", marker_symbol="line-ew-open",
-                            marker_size=18, marker_color="black", name="bytes floor", legendgroup="floor",
-                            showlegend=col == 1 and setting == "fp32", line_width=3)
-    fig.update_layout(barmode="group", title="Target forward: measured ms (bars) against bytes / read bandwidth (marks)",
-                      yaxis_title="ms per forward")
+                            marker_size=14, marker_color="black", marker_line_width=3, name="bytes floor",
+                            legendgroup="floor", showlegend=col == 1 and setting == "fp32", row=1, col=col)
+    fig.update_layout(title="Target forward (rows / numerics): measured ms (bars) against its bytes at the read "
+                            "bandwidth (marks)", yaxis_title="ms per forward")
     return fig
 
 
@@ -309,6 +309,24 @@ def races(pair, prompts: dict[str, list[int]], settings: tuple[str, ...], new_to
     return out
 
 
+def race_main(args, settings: tuple[str, ...]) -> int:
+    from ..models import load_pair, read_tokenizer
+    from . import bundled, prompting
+
+    target, draft = bundled.default_pair()
+    tokenizer = read_tokenizer(target)
+    pair = load_pair(target, draft, tokenizer=tokenizer)
+    prompts = {d.name: prompting.encode(tokenizer, d.text(), prompting.DEFAULT_INSTRUCTION).ids
+               for d in bundled.documents("eval")[: args.races]}
+    rows = races(pair, prompts, settings, args.new_tokens)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "races.json").write_text(json.dumps(rows, indent=1))
+    for r in rows:
+        print(json.dumps(r))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m specextend.tools.roofline", description=__doc__)
     p.add_argument("--quick", action="store_true", help="tiny random-init models and shapes (seconds)")
@@ -323,7 +341,10 @@ def main(argv=None) -> int:
     p.add_argument("--races", type=int, default=0, metavar="N",
                    help="instead: the first N bundled eval documents raced in each setting (races.json)")
     p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--redraw", action="store_true", help="the tables and figure again from DIR/roofline.json")
     args = p.parse_args(argv)
+    if args.redraw:
+        return write(json.loads((Path(args.out) / "roofline.json").read_text()), Path(args.out), args.no_figure)
     settings = tuple(numerics.check(s) for s in args.numerics.split(","))
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -346,37 +367,23 @@ def main(argv=None) -> int:
     report["kernels"] = [] if args.skip_kernels else bench_kernels(shapes, KERNEL_ROWS, rounds)
     steps = bench_steps(model, head, settings, lengths, tuple(int(r) for r in args.rows.split(",")), rounds)
     report["steps"] = with_floor(steps, report["bandwidth"]["read_GBps"])
-    out = Path(args.out)
+    return write(report, Path(args.out), args.no_figure)
+
+
+def write(report: dict, out: Path, no_figure: bool) -> int:
+    """roofline.json, roofline.md and (unless `no_figure`) roofline.png under `out`; prints the tables."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "roofline.json").write_text(json.dumps(report, indent=1))
     text = tables(report)
     (out / "roofline.md").write_text(text + "\n")
     print(text)
-    if args.no_figure:
+    if no_figure:
         return 0
     from .bench.report import write_pngs
 
     print("figure:", write_pngs({"roofline": figure(report)}, out))
     return 0
 
-
 if __name__ == "__main__":
     raise SystemExit(main())
 
-
-def race_main(args, settings: tuple[str, ...]) -> int:
-    from ..models import load_pair, read_tokenizer
-    from . import bundled, prompting
-
-    target, draft = bundled.default_pair()
-    tokenizer = read_tokenizer(target)
-    pair = load_pair(target, draft, tokenizer=tokenizer)
-    prompts = {d.name: prompting.encode(tokenizer, d.text(), prompting.DEFAULT_INSTRUCTION).ids
-               for d in bundled.documents("eval")[: args.races]}
-    rows = races(pair, prompts, settings, args.new_tokens)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "races.json").write_text(json.dumps(rows, indent=1))
-    for r in rows:
-        print(json.dumps(r))
-    return 0
