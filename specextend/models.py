@@ -328,7 +328,8 @@ def check_transformers(version: str = transformers.__version__) -> None:
     found = tuple(int(part) for part in version.split(".")[:2])
     if found < TRANSFORMERS_MIN:
         raise RuntimeError(f"transformers {version} is too old: the engine needs {'.'.join(map(str, TRANSFORMERS_MIN))} "
-                           "or newer (pip install -r requirements.txt)")
+                           "or newer (.venv/bin/python -m pip install -r requirements.txt; on the GPU machine "
+                           "WHEELS=.whl, see docs/GPU.md)")
 
 
 def make_pair(target: PreTrainedModel, draft: PreTrainedModel | None, load_s: float = 0.0,
