@@ -15,7 +15,7 @@ import weakref
 import pytest
 
 from app import Settings
-from app.backend import HEAD_PICTURES, head_pictures
+from app.backend import HEAD_PICTURES, HeadPictures
 from app.runner import Job, _malloc_trim
 from app.soak import rss_mb
 from fixtures.fake_engine import fake_factory
@@ -71,19 +71,26 @@ def test_the_queue_estimate_keeps_when_jobs_ran_not_the_jobs():
     assert "1 run(s) in progress" in status and "about 40 s" in status and "free in about 30 s" in status
 
 
-def test_the_layer_by_head_picture_is_drawn_once_per_prompt_and_span(monkeypatch):
-    """The needle tab's picture costs a prefill: a pair draws it once for a prompt and span, and keeps the last
-    HEAD_PICTURES of them."""
+def test_the_layer_by_head_picture_is_drawn_once_per_target_prompt_and_span():
+    """The needle tab's picture costs a prefill: it is drawn once for a target, prompt and span (a second pair with the
+    same target reuses it), and only the last HEAD_PICTURES of them are kept."""
+    from types import SimpleNamespace
+
     drawn = []
-    monkeypatch.setattr("app.backend.head_picture", lambda pair, ids, span: drawn.append((tuple(ids), span)) or len(drawn))
-    picture = head_pictures(object())
-    assert picture([1, 2, 3], (0, 2)) == picture([1, 2, 3], (0, 2)) == 1
-    assert picture([1, 2, 3], (1, 2)) == 2 and picture([1, 2, 4], (0, 2)) == 3
-    assert drawn == [((1, 2, 3), (0, 2)), ((1, 2, 3), (1, 2)), ((1, 2, 4), (0, 2))]
+
+    def pair(key: str, target: str):
+        heads = lambda ids, span: drawn.append((target, tuple(ids), span)) or len(drawn)  # noqa: E731
+        return SimpleNamespace(heads_key=target, choice=SimpleNamespace(key=key), heads=heads)
+
+    pictures, first, second, other = HeadPictures(), pair("a", "t"), pair("b", "t"), pair("c", "u")
+    assert pictures.get(first, [1, 2, 3], (0, 2)) == pictures.get(second, [1, 2, 3], (0, 2)) == 1
+    assert pictures.get(first, [1, 2, 3], (1, 2)) == 2 and pictures.get(first, [1, 2, 4], (0, 2)) == 3
+    assert pictures.get(other, [1, 2, 3], (0, 2)) == 4  # another target: its own picture
+    assert drawn == [("t", (1, 2, 3), (0, 2)), ("t", (1, 2, 3), (1, 2)), ("t", (1, 2, 4), (0, 2)), ("u", (1, 2, 3), (0, 2))]
     for n in range(HEAD_PICTURES):
-        picture([n], (0, 1))
-    picture([1, 2, 3], (0, 2))  # pushed out by the newer ones: drawn again
-    assert len(drawn) == 3 + HEAD_PICTURES + 1
+        pictures.get(first, [n], (0, 1))
+    pictures.get(first, [1, 2, 3], (0, 2))  # pushed out by the newer ones: drawn again
+    assert len(drawn) == 4 + HEAD_PICTURES + 1
 
 
 def test_a_codec_keeps_a_bounded_number_of_decoded_texts():
