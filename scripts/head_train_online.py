@@ -15,9 +15,10 @@ what it has:
 
   python -m scripts.head_train_online --work cache/head-online --init assets/models/smollm2-135m-eagle3 --minutes 30
   python -m scripts.head_train_online --work cache/head-online --resume --minutes 30
-  python -m scripts.head_train_online --device cuda --work $OUT/work --out $OUT/head --minutes 8.5 --batch 64 ...
+  python -m scripts.head_train_online --device cuda --target /tmp/target.gguf --work /tmp/work --out $OUT/head ...
 
-Imports torch, transformers and the project only.
+(the whole GPU call, the target's staging included: docs/results/head_online/README.md). Imports torch, transformers
+and the project only (numpy and gguf through it), so it runs on the GPU image with the carried transformers.
 """
 
 from __future__ import annotations
