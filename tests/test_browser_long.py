@@ -74,6 +74,27 @@ def too_big(trace: dict) -> bool:
     return len(trace.get("x") or trace.get("y") or []) > MAX_POINTS
 
 
+def type_knobs(page, tries: int = 5) -> None:
+    """Types NEW_TOKENS and a chain length of 1 into their boxes until both hold them; each try waits 10 s."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    held = (f"document.querySelector('#max-new input[type=number]').value === '{NEW_TOKENS}' && "
+            "document.querySelector('input[aria-label=\"chain length k\"]').value === '1'")
+    for _ in range(tries):
+        page.fill("#max-new input[type=number]", str(NEW_TOKENS))
+        page.press("#max-new input[type=number]", "Tab")
+        page.get_by_label("chain length k").fill("1")
+        page.get_by_label("chain length k").press("Tab")
+        try:
+            page.wait_for_function(held, timeout=10_000)
+            return
+        except PlaywrightTimeout:
+            continue
+    raise AssertionError(f"after {tries} tries the knobs hold max new tokens "
+                         f"{page.input_value('#max-new input[type=number]')!r} and chain length "
+                         f"{page.get_by_label('chain length k').input_value()!r}, not the {NEW_TOKENS} and 1 typed")
+
+
 def test_a_long_output_marks_the_outputs_chunks_and_keeps_the_page_responsive(long_url):
     from playwright.sync_api import sync_playwright
 
@@ -89,15 +110,11 @@ def test_a_long_output_marks_the_outputs_chunks_and_keeps_the_page_responsive(lo
         assert "at length" in page.input_value("#task textarea")
         page.get_by_text("Knobs").click()
         assert page.input_value("#max-new input[type=number]") == str(min(2048, NEW_TOKENS))  # the workload's default
-        page.fill("#max-new input[type=number]", str(NEW_TOKENS))
-        page.press("#max-new input[type=number]", "Tab")
-        page.get_by_label("chain length k").fill("1")
-        page.get_by_label("chain length k").press("Tab")
-        # the page sends the knobs with the Run click: wait until both boxes hold what was typed (no answer from the
-        # server still on its way has put an older value back), then check that the run request carried them (a run
-        # once went with the old chain length: 1,076 steps where this test wants 2,000+)
-        page.wait_for_function(f"document.querySelector('#max-new input[type=number]').value === '{NEW_TOKENS}' && "
-                               "document.querySelector('input[aria-label=\"chain length k\"]').value === '1'")
+        # the page sends the knobs with the Run click: type them until both boxes hold what was typed (an answer from
+        # the server still on its way, the workload's or the sample's, once put an older value back), then check that
+        # the run request carried them (a run once went with the old chain length: 1,076 steps where this test wants
+        # 2,000+)
+        type_knobs(page)
         inputs = page.evaluate(RUN_INPUTS)
         assert min(inputs.values()) >= 0, inputs
         page.evaluate(WATCH)
