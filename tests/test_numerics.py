@@ -46,6 +46,16 @@ def test_packed_linear_is_a_bf16_product_and_fp32_comes_back(pair):
     assert type(linear) is SkinnyLinear and torch.equal(linear(x), before)
 
 
+def test_fp32_gives_each_linear_the_class_it_had_before_packing():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), SkinnyLinear(8, 4))
+    numerics.apply(model, "bf16")
+    numerics.apply(model, "bf16-kv")  # packed twice: the class before the first packing is the one kept
+    assert [type(m) for m in model] == [numerics.PackedLinear] * 2
+    numerics.apply(model, "fp32")
+    assert [type(m) for m in model] == [torch.nn.Linear, SkinnyLinear]
+    assert not {"packed", "packed_bias", "unpacked"} & vars(model[0]).keys()
+
+
 def test_kv_cache_in_bf16(pair):
     from specextend.target import Target
 
