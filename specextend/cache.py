@@ -100,10 +100,13 @@ class BufferLayer(CacheLayerMixin):
 
 class KVCache(Cache):
     """A model's KV cache plus the RoPE position each slot's key was rotated to. `devices`: each layer's device, for
-    a model spread over several (None: one device, one stacked buffer)."""
+    a model spread over several (None: one device, one stacked buffer). `dtype`: what the buffers keep (a numerics
+    setting's, numerics.kv_dtype; keys and values are rounded as they are written), None: the dtype the keys come in."""
 
-    def __init__(self, num_layers: int, capacity: int = 0, devices: tuple[torch.device, ...] | None = None) -> None:
+    def __init__(self, num_layers: int, capacity: int = 0, devices: tuple[torch.device, ...] | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         self.capacity = capacity
+        self.dtype = dtype
         self.groups: list[Group] = []
         per_layer = devices or (None,) * num_layers
         for i, device in enumerate(per_layer):
@@ -112,7 +115,6 @@ class KVCache(Cache):
             self.groups[-1].count += 1
         super().__init__(layers=[BufferLayer(self, g) for g in self.groups for _ in range(g.count)])
         self.rope_positions = torch.zeros(0, dtype=torch.long)
-        self.dtype: torch.dtype | None = None  # what the buffers keep when set (numerics.kv_dtype), else the keys' dtype
 
     @property
     def length(self) -> int:

@@ -70,11 +70,11 @@ class FeatureDrafter(PolicyDrafter):
         largest = max(config.draft.depth + 1, config.draft.width[0])  # the pending entries, or one tree level
         steps = config.attention.steps
         if policy.name is DraftCache.FULL:
-            self.runner = make_runner(head, capacity, steps, largest, kind=HeadRunner)
+            self.runner = make_runner(self.head, capacity, steps, largest, kind=HeadRunner)
             store = self.runner.cache
         else:
             store = KVCache(1, capacity)
-            self.runner = make_runner(head, working_room(config, capacity), steps, largest, kind=HeadRunner)
+            self.runner = make_runner(self.head, working_room(config, capacity), steps, largest, kind=HeadRunner)
         self.runners = (self.runner,)
         super().__init__(config, policy, head.rotary_emb.inv_freq, store, self.runner.cache)
         # what the target hands over: its streams, turned into this head's features (T, F)

@@ -29,7 +29,7 @@ from .models import forward, layer_devices
 BUCKET = 512  # key slots are attended in multiples of this
 KEEP = 8  # captured steps a runner keeps; the least recently used goes first
 MODES = ("eager", "static", "captured")
-# captured runners between requests, one per (model, sizes): a request takes the one whose cache is large enough
+# captured runners between requests, one per (model, sizes, cache dtype): a request takes the one whose cache is large enough
 # and gives it back when it ends, so each step shape is captured once per process rather than once per request
 _FREE: dict[tuple, StepRunner] = {}
 _FREE_LOCK = threading.Lock()
@@ -73,10 +73,11 @@ def capacity_for(room: int, sizes: tuple[int, ...]) -> int:
 
 
 def make_runner(model, capacity: int, steps: str, largest: int, fixed: bool = False,
-                kind: type[StepRunner] | None = None) -> StepRunner:
+                kind: type[StepRunner] | None = None, kv_dtype: torch.dtype | None = None) -> StepRunner:
     """A KV cache for `capacity` tokens and the runner over it, for forwards of up to `largest` new tokens: padded
     to a power of two, or (`fixed`) every forward of more than one token padded to the same size. `kind`: the runner
-    class (a StepRunner by default; an EAGLE head's in feature_drafting.py)."""
+    class (a StepRunner by default; an EAGLE head's in feature_drafting.py). `kv_dtype`: what the cache keeps
+    (KVCache's `dtype`); a kept runner serves only a request whose cache keeps the same."""
     device = model.get_input_embeddings().weight.device
     mode = resolve_mode(steps, device)
     sizes = sizes_up_to(largest)
@@ -85,18 +86,20 @@ def make_runner(model, capacity: int, steps: str, largest: int, fixed: bool = Fa
     slots = capacity if mode == "eager" else capacity_for(capacity, sizes)
     if mode == "captured":
         with _FREE_LOCK:
-            runner = _FREE.pop((id(model), sizes), None)
+            runner = _FREE.pop((id(model), sizes, kv_dtype), None)
         if runner is not None and runner.slots >= slots:
             runner.cache.crop(0)
             return runner
-    return (kind or StepRunner)(model, KVCache(model.config.num_hidden_layers, slots, layer_devices(model)), mode, sizes)
+    cache = KVCache(model.config.num_hidden_layers, slots, layer_devices(model), kv_dtype)
+    return (kind or StepRunner)(model, cache, mode, sizes)
 
 
 def release(runner: StepRunner) -> None:
-    """A request is done with `runner`: keep it (the largest per model and sizes) when its steps are captured."""
+    """A request is done with `runner`: keep it (the largest per model, sizes and cache dtype) when its steps are
+    captured."""
     if runner.mode != "captured":
         return
-    key = (id(runner.model), runner.sizes)
+    key = (id(runner.model), runner.sizes, runner.cache.dtype)
     with _FREE_LOCK:
         if runner.model in _DROPPED:
             return

@@ -140,15 +140,15 @@ class Target:
         self.model = numerics.apply(model, config.attention.numerics)
         self.kernels = config.attention
         # verification forwards: one token (autoregressive) or padded to the fixed tree budget
-        self.runner = make_runner(model, capacity, config.attention.steps, config.tree_budget + 1, fixed=True)
+        self.runner = make_runner(self.model, capacity, config.attention.steps, config.tree_budget + 1, fixed=True,
+                                  kv_dtype=numerics.kv_dtype(config.attention.numerics))
         self.cache = self.runner.cache
-        self.cache.dtype = numerics.kv_dtype(config.attention.numerics)
-        self.scale = final_layer(model)[1]
+        self.scale = final_layer(self.model)[1]
         self.window = None
         self.features = features
         layers: frozenset[int] = frozenset()
         if signal is not None:
-            c = model.config
+            c = self.model.config
             heads = signal.head_sets(c.num_hidden_layers, c.num_attention_heads)
             self.window = QueryWindow(heads, signal.rows)
             layers = self.window.layers
@@ -157,14 +157,14 @@ class Target:
             self.combine = signal.combine
         streams = frozenset(features.streams) if features is not None else frozenset()
         if streams:
-            watch_streams(model, streams)
+            watch_streams(self.model, streams)
         self.capture = Capture(layers, streams) if layers or streams else None
         self.base = 0  # cache slots before the latest verified root
         self.shared_s: float | None = None  # a prefill copied from SharedPrefill: the seconds the original took
         self.read: tuple | None = None  # (prompt, prefill kernel, dtype, numerics) once this target has read a whole prompt
         # what the prompt is read in: a bf16 numerics setting reads it in its own products, with no copy of the model
         bf16_prefill = config.attention.bf16_prefill if config.attention.numerics == "fp32" else "off"
-        self.prefill_dtype = prefill_dtype(model, bf16_prefill)
+        self.prefill_dtype = prefill_dtype(self.model, bf16_prefill)
 
     def prefill(self, prompt: list[int], stop, shared: SharedPrefill | None = None) -> Iterator[int]:
         """Read the prompt in blocks; the last block's logits are kept for the first token. With `shared`, copy a

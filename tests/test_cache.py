@@ -164,6 +164,23 @@ def test_keep_then_gather_equals_original_slots():
     assert cache.rope_positions.tolist() == [100, 103, 104, 111, 119, 7, 8]
 
 
+def test_a_cache_told_its_dtype_keeps_it_and_rounds_what_is_written():
+    """`KVCache(dtype=...)` (a numerics setting's cache): fp32 keys and values are kept in bf16 as they are written,
+    through the model's update as through the verbs; without it the buffers take the keys' dtype."""
+    gen = torch.Generator().manual_seed(4)
+    kv = random_kv(6, gen)
+    kept = KVCache(LAYERS, dtype=torch.bfloat16)
+    kept.append(stacked(kv), torch.arange(6))
+    new_k, new_v = random_kv(1, gen)[1]
+    full_k, full_v = kept.update(new_k, new_v, 1)  # a forward's write
+    assert kept.groups[0].keys.dtype == full_k.dtype == full_v.dtype == torch.bfloat16
+    assert torch.equal(full_k, torch.cat([kv[1][0], new_k], 2).bfloat16())
+    assert torch.equal(kept.layers[0].filled()[1], kv[0][1].bfloat16())
+    plain = KVCache(LAYERS)
+    plain.append(stacked(kv), torch.arange(6))
+    assert plain.groups[0].keys.dtype == torch.float32
+
+
 def test_crop_then_update_overwrites_the_dropped_slots():
     gen = torch.Generator().manual_seed(2)
     cache = KVCache(LAYERS)

@@ -113,8 +113,8 @@ def test_a_dropped_models_runners_are_not_kept_even_when_a_late_run_hands_one_ba
     from types import SimpleNamespace
 
     model = torch.nn.Linear(2, 2)
-    runner = SimpleNamespace(mode="captured", model=model, sizes=(1, 2), slots=64)
-    key = (id(model), runner.sizes)
+    runner = SimpleNamespace(mode="captured", model=model, sizes=(1, 2), slots=64, cache=SimpleNamespace(dtype=None))
+    key = (id(model), runner.sizes, None)  # kept by model, sizes and the dtype its cache keeps
     steps.release(runner)
     assert steps._FREE.get(key) is runner
     steps.forget((weakref.ref(model),))

@@ -270,8 +270,7 @@ def figure(report: dict):
 def margin(model, ids: list[int], setting: str) -> tuple[int, float]:
     """The target's greedy token after `ids` in `setting`, and its logit margin over the runner-up."""
     numerics.apply(model, setting)
-    cache = KVCache(model.config.num_hidden_layers)
-    cache.dtype = numerics.kv_dtype(setting)
+    cache = KVCache(model.config.num_hidden_layers, dtype=numerics.kv_dtype(setting))
     logits = forward(model, cache, ids, torch.arange(len(ids)), AttentionPlan("prefill", "fused"), 1)[-1]
     top = logits.topk(2)
     return int(top.indices[0]), float(top.values[0] - top.values[1])
