@@ -21,6 +21,8 @@ VerifyKernel = Literal["hybrid", "onecall", "masked", "auto"]
 StepMode = Literal["auto", "eager", "static", "captured"]
 Bf16Prefill = Literal["auto", "on", "off"]
 Numerics = Literal["fp32", "bf16", "bf16-kv"]  # the target's products and KV cache on the CPU (numerics.py)
+NUMERICS: tuple[str, ...] = ("fp32", "bf16", "bf16-kv")
+NUMERICS_CHOICES = ("auto", *NUMERICS)  # what an operator or a command line may ask for: "auto" is numerics.choose's
 
 
 MAX_DRAFT = 256  # the most draft tokens (and tree levels, branches, children) one step may have: a verification
@@ -269,8 +271,8 @@ class AttentionConfig:
     numerics: Numerics = "fp32"
 
     def __post_init__(self) -> None:
-        if self.numerics not in ("fp32", "bf16", "bf16-kv"):
-            raise ValueError(f"numerics must be 'fp32', 'bf16' or 'bf16-kv', got {self.numerics!r}")
+        if self.numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}; got {self.numerics!r}")
         if self.bf16_prefill not in ("auto", "on", "off"):
             raise ValueError(f"bf16 prefill must be 'auto', 'on' or 'off', got {self.bf16_prefill!r}")
         if self.prefill not in ("fused", "eager"):

@@ -163,8 +163,8 @@ class Target:
         self.shared_s: float | None = None  # a prefill copied from SharedPrefill: the seconds the original took
         self.read: tuple | None = None  # (prompt, prefill kernel, dtype, numerics) once this target has read a whole prompt
         # what the prompt is read in: a bf16 numerics setting reads it in its own products, with no copy of the model
-        bf16_prefill = config.attention.bf16_prefill if config.attention.numerics == "fp32" else "off"
-        self.prefill_dtype = prefill_dtype(self.model, bf16_prefill)
+        self.prefill_dtype = prefill_dtype(self.model, numerics.bf16_prefill(config.attention.numerics,
+                                                                             config.attention.bf16_prefill))
 
     def prefill(self, prompt: list[int], stop, shared: SharedPrefill | None = None) -> Iterator[int]:
         """Read the prompt in blocks; the last block's logits are kept for the first token. With `shared`, copy a

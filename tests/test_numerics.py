@@ -89,6 +89,17 @@ def test_static_steps_in_bf16_kv(pair):
     numerics.apply(pair.target, "fp32")
 
 
+def test_auto_is_the_cpu_default_for_an_fp32_model_on_a_cpu_that_packs(monkeypatch):
+    fp32, bf16 = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).bfloat16()
+    assert numerics.choose(fp32) == numerics.choose(fp32, "auto") == numerics.CPU_DEFAULT == "bf16-kv"
+    assert numerics.choose(bf16) == "fp32"  # a model loaded in bf16 runs as loaded
+    assert [numerics.choose(bf16, s) for s in numerics.NUMERICS] == list(numerics.NUMERICS)  # asked: kept
+    with pytest.raises(ValueError, match="auto, fp32, bf16, bf16-kv; got 'fp16'"):
+        numerics.choose(fp32, "fp16")
+    monkeypatch.setattr(numerics, "packs_here", lambda: False)
+    assert numerics.choose(fp32) == "fp32"
+
+
 def test_bad_numerics_is_refused():
     with pytest.raises(ValueError, match="numerics"):
         AttentionConfig(numerics="int3")
