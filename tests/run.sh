@@ -15,7 +15,8 @@ else
   done
   [ -n "$PY" ] || { echo "tests/run.sh: no Python 3.11 or newer found (python3 is $(python3 -V 2>&1 || echo missing)); install one, e.g. apt-get install python3.11 python3.11-venv" >&2; exit 1; }
 fi
-# Inductor (tests/test_fusion.py) compiles its CPU kernels with g++ against the Python headers.
+# Inductor (tests/test_fusion.py) compiles its CPU kernels with g++ against the Python headers; specextend/cpu_kernels.py
+# compiles the bf16 attention kernel with cc (gcc, which g++ brings).
 NEED=""
 [ -x /usr/bin/chromium ] || NEED="$NEED chromium"
 command -v g++ >/dev/null || NEED="$NEED g++"
