@@ -3,7 +3,8 @@
 Run from the repository root: `python -m scripts.head_race [--head DIR] [--lengths 7168,1024] [--docs 3]`, or with
 `--files A.txt B.md` on other documents (the same prompt as the benchmark: the document's start, then the task).
 
-Methods, alternated on every input after a warm-up (greedy, fp32, one target shared by both drafts, the target's
+Methods, alternated on every input after a warm-up (greedy, in one numerics setting (`--numerics`, default the CPU
+default, numerics.choose), one target shared by both drafts, the target's
 prefill read once per input and shared): the target alone; each draft (the distilled draft model, the head) under
 the full cache (standard speculative decoding), StreamingLLM's and CMR's (SpecExtend); and SpecExtend with lookup
 merged, with each draft (the app's default lookup settings). Every output is checked against the target alone's.
@@ -17,11 +18,13 @@ import argparse
 import json
 import os
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from specextend.config import LookupConfig, preset
+from specextend import numerics
+from specextend.config import NUMERICS_CHOICES, LookupConfig, preset
 from specextend.engine import generate
 from specextend.heads import load_head
 from specextend.metrics import summarize
@@ -32,8 +35,8 @@ from specextend.tools.bench import make_inputs
 from specextend.tools.prompting import DEFAULT_INSTRUCTION, stop_ids
 
 
-def methods(base: dict) -> dict[str, tuple[str, object]]:
-    """name -> (which draft, config)."""
+def methods(base: dict, setting: str) -> dict[str, tuple[str, object]]:
+    """name -> (which draft, config), every config in numerics `setting`."""
     lookup = LookupConfig(enabled=True)
     out = {"target alone": ("model", preset("autoregressive", **base))}
     for draft in ("model", "head"):
@@ -41,7 +44,8 @@ def methods(base: dict) -> dict[str, tuple[str, object]]:
         out[f"{draft}: streaming"] = (draft, preset("streaming", **base))
         out[f"{draft}: specextend (CMR)"] = (draft, preset("specextend", **base))
         out[f"{draft}: specextend + lookup"] = (draft, preset("specextend", lookup=lookup, **base))
-    return out
+    return {name: (draft, config.replace(attention=replace(config.attention, numerics=setting)))
+            for name, (draft, config) in out.items()}
 
 
 def main(argv=None) -> int:
@@ -53,6 +57,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--only", default="", help="comma list of method names to run (default: all)")
     p.add_argument("--out", type=Path, help="write every run's figures here as JSON lines")
+    p.add_argument("--numerics", choices=NUMERICS_CHOICES, default="auto", help="the target's numerics (auto: the CPU default)")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     target_dir = bundled.target_dir()
@@ -63,7 +68,9 @@ def main(argv=None) -> int:
              "head": make_pair(model_pair.target, load_head(head, model_pair.target, model_pair.device, model_pair.dtype),
                                calibrated=model_pair.calibrated)}  # the target's calibrated retrieval signal
     base = dict(max_new_tokens=args.max_new_tokens, eos_token_ids=stop_ids(tokenizer, model_pair.target))
-    configs = methods(base)
+    setting = numerics.choose(model_pair.target, args.numerics)
+    print(f"numerics: {setting}", flush=True)
+    configs = methods(base, setting)
     if args.only:
         configs = {k: v for k, v in configs.items() if k in args.only.split(",") or k == "target alone"}
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -77,7 +84,8 @@ def main(argv=None) -> int:
         for name, (draft, config) in configs.items():
             events = list(generate(pairs[draft], item["prompt"], config, shared=shared))
             s, ids = summarize(events), events[-1].token_ids
-            r = {"length": len(item["prompt"]), "document": item["document"], "method": name, **s.figures()}
+            r = {"length": len(item["prompt"]), "document": item["document"], "method": name, "numerics": setting,
+                 **s.figures()}
             reference = reference or ids
             if ids != reference:
                 raise SystemExit(f"{name} on {item['document']}: greedy output differs from the target alone's")

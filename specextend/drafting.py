@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Iterator, Protocol
 
 import torch
 
+from . import numerics
 from .attention import AttentionPlan
 from .cache import KVCache, reposition
 from .config import DraftConfig, GenerationConfig
@@ -247,7 +248,8 @@ class ModelDrafter(PolicyDrafter):
     """Drafts with a causal LM from a policy-managed working cache."""
 
     def __init__(self, model, config: GenerationConfig, policy: DraftCachePolicy, capacity: int) -> None:
-        self.model = model
+        # the draft's products in bf16 when the target's are; its caches stay in its dtype, for CMR re-positions them
+        self.model = numerics.apply(model, "fp32" if config.attention.numerics == "fp32" else "bf16")
         largest = max(config.draft.depth + 1, config.draft.width[0])  # the pending tokens, or one tree level
         steps = config.attention.steps
         if policy.name is DraftCache.FULL:
