@@ -53,7 +53,7 @@ def main() -> None:
         problem = cannot_listen(settings.host, settings.port)  # before a preload can take minutes
         if problem is not None:
             raise SystemExit(listen_message(settings.host, settings.port, problem))
-        demo = build_app(partial(real_factory, dtype=settings.dtype), settings)
+        demo = build_app(partial(real_factory, dtype=settings.dtype, numerics=settings.numerics), settings)
     except (ValueError, OSError, RuntimeError) as exc:  # a bad setting, or a preload that failed: say why and stop
         raise SystemExit(f"SpecExtend Studio cannot start: {exc}") from exc
     try:

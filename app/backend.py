@@ -9,7 +9,7 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache, partial
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
@@ -81,7 +81,9 @@ class Codec:
 @dataclass(frozen=True)
 class Loaded:
     """A model pair ready to generate, with its tokenizer; `heads` draws where the target's heads look (the needle
-    tab's layer x head picture), None where the engine has no attention to show."""
+    tab's layer x head picture), None where the engine has no attention to show. `numerics` is the pair's: a model
+    runs one numerics setting at a time (specextend/numerics.py switches it in place), so every request on a loaded
+    pair runs in its setting (`in_numerics`), and two at once cannot switch it under each other."""
 
     choice: PairChoice
     codec: Codec
@@ -97,6 +99,7 @@ class Loaded:
     # what `heads`' picture depends on: the target (its folder or hub id, its dtype) and the signals it outlines, not
     # the draft; pairs that share it share their pictures ("": unknown, the pair's own)
     heads_key: str = ""
+    numerics: str = "fp32"  # the target's numerics setting (numerics.NUMERICS), chosen once when the pair is served
 
     def for_click(self) -> Generate:
         """What one click's runs generate with: they read one prompt, so the target reads it once."""
@@ -159,8 +162,18 @@ class EngineFactory(Protocol):
     def __call__(self, choice: PairChoice, progress: Progress) -> Loaded: ...
 
 
-def real_factory(choice: PairChoice, progress: Progress, dtype: str = "auto") -> Loaded:
-    """The bundled pair (prepared on first use) or an allow-listed pair, on the GPU when there is one."""
+def in_numerics(generate: Generate, setting: str) -> Generate:
+    """`generate` with every request's config in numerics `setting` (a loaded pair's `numerics`)."""
+
+    def run(prompt_ids: list[int], config: GenerationConfig, stop: threading.Event | None = None) -> Iterator[Event]:
+        return generate(prompt_ids, config.replace(attention=replace(config.attention, numerics=setting)), stop)
+
+    return run
+
+
+def real_factory(choice: PairChoice, progress: Progress, dtype: str = "auto", numerics: str = "auto") -> Loaded:
+    """The bundled pair (prepared on first use) or an allow-listed pair, on the GPU when there is one; `numerics`:
+    the operator's setting (SPECEXTEND_NUMERICS), resolved for the pair by `serve`."""
     from specextend.models import load_pair, read_tokenizer
 
     if choice.bundled:
@@ -182,25 +195,31 @@ def real_factory(choice: PairChoice, progress: Progress, dtype: str = "auto") ->
             raise ValueError(f"{choice.label} is not in the local cache and this server is offline "
                              f"(the operator can set SPECEXTEND_HUB=1 to allow downloads): {exc}") from exc
         raise
-    return serve(choice, tokenizer, pair)
+    return serve(choice, tokenizer, pair, numerics)
 
 
-def serve(choice: PairChoice, tokenizer: Any, pair) -> Loaded:
-    """A loaded pair and its target's tokenizer, as the app runs them."""
+def serve(choice: PairChoice, tokenizer: Any, pair, numerics: str = "auto") -> Loaded:
+    """A loaded pair and its target's tokenizer, as the app runs them: every request, and the needle tab's picture, in
+    the numerics setting `numerics` resolves to for the pair (`numerics.choose`: "auto" is the CPU default where it
+    applies); the target is switched to it here, once."""
     from specextend.engine import generate
     from specextend.models import prefill_dtype
+    from specextend.numerics import apply, bf16_prefill, choose
     from specextend.target import SharedPrefill
     from specextend.steps import forget
 
+    setting = choose(pair.target, numerics)
+    apply(pair.target, setting)
     codec = Codec(tokenizer, prompting.stop_ids(tokenizer, pair.target))  # a chat model stops at its end of turn too
     shorter = pair.draft_positions if pair.draft_positions is not None and pair.draft_positions < pair.max_positions else None
-    # the runs' default bf16_prefill ("auto"), timed here once rather than in the first run
-    dtype, reads = (str(d).replace("torch.", "") for d in (pair.dtype, prefill_dtype(pair.target)))
-    return Loaded(choice, codec, partial(generate, pair), pair.max_positions, str(pair.device),
+    # the runs' default bf16_prefill ("auto") in the pair's setting, timed here once rather than in the first run
+    reads = prefill_dtype(pair.target, bf16_prefill(setting, "auto"))
+    dtype, reads = (str(d).replace("torch.", "") for d in (pair.dtype, reads))
+    return Loaded(choice, codec, in_numerics(partial(generate, pair), setting), pair.max_positions, str(pair.device),
                   dtype if reads == dtype else f"{dtype}, prompts read in {reads}", partial(head_picture, pair),
-                  lambda: partial(generate, pair, shared=SharedPrefill()), shorter,
+                  lambda: in_numerics(partial(generate, pair, shared=SharedPrefill()), setting), shorter,
                   partial(forget, tuple(weakref.ref(m) for m in (pair.target, pair.draft) if m is not None)),
-                  heads_key=heads_key(pair))
+                  heads_key=heads_key(pair), numerics=setting)
 
 
 class PairCache:

@@ -66,7 +66,8 @@ def ab(args: argparse.Namespace) -> None:
     loaded = PairCache(real_factory).get(BUNDLED_PAIR, lambda message: print(message, flush=True))
     prompt = loaded.codec.prompt(text, TASK)
     config = build_config("specextend", Knobs(max_new_tokens=args.max_new_tokens), loaded.codec.eos_ids)
-    print(f"{len(prompt.ids)} prompt tokens, {args.max_new_tokens} new tokens, {loaded.device} {loaded.dtype}")
+    print(f"{len(prompt.ids)} prompt tokens, {args.max_new_tokens} new tokens, {loaded.device} {loaded.dtype}, "
+          f"{loaded.numerics} numerics")
     run_once(loaded, prompt, config, settings, draw=False)  # warm-up
     alone, drawn, rates, costs, shares = [], [], [], [], []
     for i in range(args.repeats):

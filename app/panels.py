@@ -17,7 +17,7 @@ from visualizers import (
 )
 from visualizers.common import ending, label, message_spec, started, stop_reason
 from visualizers.steps import as_of, moment
-from visualizers.text import prompt_reading
+from visualizers.text import prompt_reading, run_numerics
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,8 @@ def exactness(runs: Mapping[str, Sequence[Event]], primary: str, decode: Decode,
         return (f"<div class='se-muted'>Exactness: not checked: {html.escape(name)} wrote no token "
                 f"({html.escape(ending(events))}).</div>")
     began = [started(events) for events in (ours, reference)]
-    return exactness_html(new_tokens(ours), new_tokens(reference), decode, label(primary), prompt_reading(*began))
+    return exactness_html(new_tokens(ours), new_tokens(reference), decode, label(primary), prompt_reading(*began),
+                          run_numerics(*began))
 
 
 def main_view(runs: Mapping[str, Sequence[Event]], primary: str, decode: Decode, charts: bool = True,

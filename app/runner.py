@@ -232,7 +232,8 @@ def describe(method: str, event: Event) -> str:
     name = label(method)
     if isinstance(event, Started):
         read = f"; the prompt read in {event.prefill_dtype}" if event.prefill_dtype not in ("", event.dtype) else ""
-        return f"{name}: started on {event.device} ({event.dtype}{read}), reading {len(event.prompt_ids):,} prompt tokens"
+        return (f"{name}: started on {event.device} ({event.dtype}, {event.numerics} numerics{read}), reading "
+                f"{len(event.prompt_ids):,} prompt tokens")
     if isinstance(event, Prefilling):
         return f"{name}: prefill of the {event.model}, {event.done:,} of {event.total:,} tokens read"
     if isinstance(event, Prefilled) and event.shared:

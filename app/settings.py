@@ -10,6 +10,7 @@ and the limits that keep a shared app serving. Knows nothing of gradio or models
 | SPECEXTEND_HIDE_BUNDLED | 0 | 1 leaves the bundled CPU pairs off the list |
 | SPECEXTEND_PRELOAD | 0 | 1 downloads and loads the default pair before serving (progress in the log; a failure stops start-up) |
 | SPECEXTEND_DTYPE | auto | the models' dtype: auto (bf16 or fp16 on a GPU, fp32 on CPU), bfloat16, float16, float32 |
+| SPECEXTEND_NUMERICS | auto | the target's numerics (specextend/numerics.py), one per loaded pair: auto, fp32, bf16, bf16-kv |
 | SPECEXTEND_MAX_INPUT_TOKENS | 0 | longest prompt in tokens a run may read (0: the target's context is the only limit) |
 | SPECEXTEND_HUB | 0 | 1 lets the app download from the Hugging Face hub (else HF_HUB_OFFLINE=1); gated models need HF_TOKEN |
 | SPECEXTEND_MAX_UPLOAD_KB | 1024 | largest document upload accepted |
@@ -20,6 +21,9 @@ and the limits that keep a shared app serving. Knows nothing of gradio or models
 | SPECEXTEND_QUEUE | 16 | requests that may wait in the queue |
 | SPECEXTEND_REDRAW_S | 0.3 | shortest time between redraws of the live panels (and the charts' default) |
 | SPECEXTEND_ZEROGPU_MAX_S | 120 | on a ZeroGPU Space, the longest GPU grant one click asks for, in seconds (app/zerogpu.py) |
+
+SPECEXTEND_NUMERICS's "auto" is bf16-kv for an fp32 target on a CPU with native bf16 products (packed bf16 weights and
+a bf16 KV cache, every method of a race in it, checked against the target alone in it), else fp32.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from typing import Mapping
+
+from specextend.config import NUMERICS_CHOICES
 
 BUNDLED = "bundled"  # the target with its EAGLE-3 head
 BUNDLED_DRAFT_MODEL = "bundled-draft-model"  # the target with its distilled draft model
@@ -130,6 +136,7 @@ class Settings:
     default_pair: str = ""  # the key selected when the page opens ("": the first offered)
     preload: bool = False  # load the default pair before serving
     dtype: str = "auto"
+    numerics: str = "auto"  # the target's numerics setting, resolved per loaded pair (backend.serve)
     max_input_tokens: int = 0  # 0: the target's context is the only limit
     hub: bool = False
     max_upload_bytes: int = 1024 * 1024
@@ -152,6 +159,8 @@ class Settings:
                              f"({', '.join(p.key for p in self.pairs)}); {fix}")
         if self.dtype not in DTYPES:
             raise ValueError(f"SPECEXTEND_DTYPE must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.numerics not in NUMERICS_CHOICES:
+            raise ValueError(f"SPECEXTEND_NUMERICS must be one of {', '.join(NUMERICS_CHOICES)}, got {self.numerics!r}")
 
     @property
     def default(self) -> PairChoice:
@@ -168,6 +177,7 @@ class Settings:
             default_pair=pair_key(env.get("SPECEXTEND_DEFAULT_PAIR", "")),
             preload=_flag(env, "SPECEXTEND_PRELOAD"),
             dtype=env.get("SPECEXTEND_DTYPE", "").strip() or "auto",
+            numerics=env.get("SPECEXTEND_NUMERICS", "").strip() or "auto",
             max_input_tokens=_number(env, "SPECEXTEND_MAX_INPUT_TOKENS", 0, 0),
             hub=_flag(env, "SPECEXTEND_HUB"),
             max_upload_bytes=_number(env, "SPECEXTEND_MAX_UPLOAD_KB", 1024, 1) * 1024,

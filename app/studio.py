@@ -233,7 +233,7 @@ class Studio(Stepping):
         def prepare(say):
             loaded = self.pairs.get(choice, say)
             say(f"Tokenizing the {'prompt' if workload == 'long_output' else 'document'} with the target's chat "
-                f"template ({loaded.device}, {loaded.dtype})")
+                f"template ({loaded.device}, {loaded.dtype}, {loaded.numerics} numerics)")
             prompt = loaded.codec.prompt(text, task, thinking=workload == "long_output")
             self.check_input(loaded, prompt)
             return loaded.codec, prompt, loaded.max_positions, loaded.click()

@@ -10,7 +10,7 @@ import json
 from typing import Any, Mapping, Sequence
 
 from specextend import events as ev
-from specextend.config import METHODS
+from specextend.config import METHODS, NUMERICS
 from specextend.events import Drafted, Event, Started, Verified
 
 FORMAT = "specextend-studio-trace/1"
@@ -163,6 +163,10 @@ def check_run(method: str, events: Sequence[Event]) -> None:
         where = f"{method} event {i} ({type(e).__name__})"
         if isinstance(e, Started) and i:
             raise TraceError(f"{where}: a run starts once")
+        if isinstance(e, Started):  # the numerics it ran in are shown (a trace from before them: fp32)
+            attention = e.config.get("attention", {})
+            if not isinstance(attention, dict) or attention.get("numerics", "fp32") not in NUMERICS:
+                raise TraceError(f"{where}: its config's attention.numerics should be one of {', '.join(NUMERICS)}")
         check_times(where, e, clock)
         clock = e.t_s
         for ids in event_token_ids(e):

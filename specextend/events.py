@@ -41,6 +41,11 @@ class Started:
     def __post_init__(self) -> None:  # the config as JSON gives it back, so a saved trace loads equal
         object.__setattr__(self, "config", json.loads(json.dumps(self.config)))
 
+    @property
+    def numerics(self) -> str:
+        """The target's numerics setting the request ran in (a trace from before the setting existed: fp32)."""
+        return self.config.get("attention", {}).get("numerics", "fp32")
+
 
 @dataclass(frozen=True)
 class Prefilling:

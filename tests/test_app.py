@@ -73,7 +73,7 @@ def test_a_run_streams_every_panel_and_exports_a_replayable_trace(client):
     assert status_text.startswith("Done.\n") and "<" not in status_text  # the status as plain text, for API callers
     download = file_path(download)
     assert "se-draft" in output and "word" in output
-    assert "✔ Exact" in exact
+    assert "✔ Exact" in exact and "(both in fp32 numerics)" in exact  # the fake pair's; a served pair's is its own
     runs, _, meta = loads(Path(download).read_text())
     assert list(runs) == ["specextend", "speculative", "autoregressive"] and meta["primary"] == "specextend"
     retrieval = json.loads(retrieval["plot"])
@@ -238,6 +238,7 @@ def test_settings_default_to_localhost_and_the_bundled_pairs_only():
     assert allowed.host == "0.0.0.0" and allowed.pair("b/t+b/d").draft == "b/d"
     assert settings.max_document_chars == 400_000
     assert Settings.from_env({"SPECEXTEND_MAX_DOCUMENT_CHARS": "5000"}).max_document_chars == 5000
+    assert Settings.from_env({}).numerics == "auto" and Settings.from_env({"SPECEXTEND_NUMERICS": " bf16 "}).numerics == "bf16"
     with pytest.raises(ValueError, match="target\\+draft"):
         parse_pairs("only-a-target")
 
@@ -264,6 +265,8 @@ def test_a_preset_named_by_the_operator_is_offered_and_selected_and_the_bundled_
                           "unset SPECEXTEND_HIDE_BUNDLED"),
                          ({"SPECEXTEND_PAIRS": "qwen9"}, "neither a preset"),
                          ({"SPECEXTEND_DTYPE": "int4"}, "SPECEXTEND_DTYPE"),
+                         ({"SPECEXTEND_NUMERICS": "int8"},
+                          "SPECEXTEND_NUMERICS must be one of auto, fp32, bf16, bf16-kv, got 'int8'"),
                          ({"SPECEXTEND_PRELOAD": "yes"}, "0 or 1")):
         with pytest.raises(ValueError, match=message):
             Settings.from_env(bad)
@@ -656,13 +659,15 @@ def test_the_from_python_example_in_the_docs_runs_as_written(server, monkeypatch
     assert "Done." in scope["status_text"] and "Replay of a trace recorded on 20" in scope["replayed"][1]
 
 
-def test_the_status_says_what_the_prompt_is_read_in():
+def test_the_status_says_what_the_prompt_is_read_in_and_the_numerics():
     from app.runner import describe
     from specextend.events import Started
 
     began = Started(0.0, 0.0, "specextend", (1, 2, 3), {}, 30, 2, "cpu", "float32", prefill_dtype="bfloat16")
-    assert "started on cpu (float32; the prompt read in bfloat16), reading 3 prompt tokens" in describe("specextend", began)
-    assert "(float32)" in describe("specextend", Started(0.0, 0.0, "specextend", (1,), {}, 30, 2, "cpu", "float32"))
+    assert ("started on cpu (float32, fp32 numerics; the prompt read in bfloat16), reading 3 prompt tokens"
+            in describe("specextend", began))  # a config without numerics (a trace from before them): fp32
+    packed = Started(0.0, 0.0, "specextend", (1,), {"attention": {"numerics": "bf16-kv"}}, 30, 2, "cpu", "float32")
+    assert "(float32, bf16-kv numerics)" in describe("specextend", packed)
 
 
 def test_the_trace_output_is_a_file_that_replay_takes_back_through_gradio_client(client):

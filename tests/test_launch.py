@@ -70,3 +70,19 @@ def test_an_address_this_machine_does_not_have_names_the_settings():
     message = studio.listen_message("203.0.113.7", 7860, problem)
     assert "cannot listen on 203.0.113.7:7860" in message and "GRADIO_SERVER_NAME" in message
     assert studio.cannot_listen("127.0.0.1", 0) is None
+
+
+def test_the_numerics_setting_reaches_the_factory_and_a_bad_one_stops_start_up(monkeypatch):
+    studio = entry()
+    built = {}
+    monkeypatch.setattr(studio, "cannot_listen", lambda host, port: None)
+    monkeypatch.setattr(studio, "build_app", lambda factory, settings: built.setdefault("factory", factory))
+    monkeypatch.setattr(studio, "launch", lambda demo, settings: None)
+    monkeypatch.setenv("SPECEXTEND_NUMERICS", "bf16")
+    studio.main()
+    assert built["factory"].keywords["numerics"] == "bf16"  # each loaded pair resolves it (backend.serve)
+    monkeypatch.setenv("SPECEXTEND_NUMERICS", "fp16")
+    with pytest.raises(SystemExit) as stopped:
+        studio.main()
+    assert str(stopped.value.code) == ("SpecExtend Studio cannot start: SPECEXTEND_NUMERICS must be one of auto, fp32, "
+                                       "bf16, bf16-kv, got 'fp16'")

@@ -100,6 +100,29 @@ def test_auto_is_the_cpu_default_for_an_fp32_model_on_a_cpu_that_packs(monkeypat
     assert numerics.choose(fp32) == "fp32"
 
 
+def test_a_served_pair_runs_every_request_in_the_numerics_chosen_for_it(pair):
+    """The app's loaded pair (backend.serve): "auto" is resolved once for the pair, the target switched to it, and
+    every request on the pair runs in it whatever its config says, so two at once cannot switch the model under each
+    other; the exactness check then compares like with like."""
+    from types import SimpleNamespace
+
+    from app.backend import serve
+    from app.settings import PairChoice
+
+    choice, tokenizer = PairChoice("tiny", "tiny"), SimpleNamespace(eos_token_id=0)
+    loaded = serve(choice, tokenizer, pair)
+    assert loaded.numerics == "bf16-kv" and loaded.dtype == "float32"
+    assert type(pair.target.model.layers[0].mlp.up_proj) is numerics.PackedLinear  # switched once, when served
+    prompt = torch.randint(0, VOCAB, (33,), generator=torch.Generator().manual_seed(6)).tolist()
+    asked = preset("speculative", max_new_tokens=N_NEW, retrieval=RETRIEVAL)  # the engine's default: fp32
+    alone = greedy(pair, prompt, "autoregressive", "bf16-kv")
+    for run in (loaded.generate, loaded.for_click()):
+        events = list(run(prompt, asked, None))
+        assert events[0].numerics == "bf16-kv" and list(events[-1].token_ids) == alone
+    assert serve(choice, tokenizer, pair, "fp32").numerics == "fp32"
+    assert type(pair.target.model.layers[0].mlp.up_proj) is SkinnyLinear
+
+
 def test_bad_numerics_is_refused():
     with pytest.raises(ValueError, match="numerics"):
         AttentionConfig(numerics="int3")

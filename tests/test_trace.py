@@ -108,6 +108,10 @@ def test_a_trace_is_refused_with_a_message_or_draws(text):
      "'beam' is not a method this app runs"),
     (json.dumps([ev.to_dict(ev.Started(0.0, 0.0, "specextend", (-5,), {}, 2, 1, "cpu", "float32"))]),
      "token ids must lie in"),
+    (json.dumps([ev.to_dict(ev.Started(0.0, 0.0, "specextend", (5,), {"attention": {"numerics": "<b>int3</b>"}}, 2, 1,
+                                       "cpu", "float32"))]), "attention.numerics should be one of fp32, bf16, bf16-kv"),
+    (json.dumps([ev.to_dict(ev.Started(0.0, 0.0, "specextend", (5,), {"attention": 5}, 2, 1, "cpu", "float32"))]),
+     "attention.numerics should be one of"),
 ])
 def test_each_kind_of_problem_gets_its_message(text, message):
     with pytest.raises(TraceError, match=message):

@@ -382,3 +382,26 @@ def test_the_exactness_line_says_what_the_runs_continued_from():
                                                                      began("float32", ""))
     line = exactness_html([1, 2], [1, 2], lambda ids: "x", "SpecExtend", shared)
     assert "✔ Exact" in line and "in bfloat16; decoding in float32" in line
+
+
+def test_the_exactness_line_names_the_numerics_both_runs_decoded_in():
+    """A race's runs decode in the loaded pair's numerics setting; the line names it (a trace from before the setting
+    ran fp32), and runs in different settings are told apart."""
+    from specextend.events import Started
+    from visualizers.text import run_numerics
+
+    def began(config: dict) -> Started:
+        return Started(0.0, 0.0, "specextend", (1, 2), config, 30, 2, "cpu", "float32")
+
+    packed = began({"attention": {"numerics": "bf16-kv"}})
+    both = run_numerics(packed, packed)
+    assert both == "both in bf16-kv numerics" and run_numerics(None, packed) == ""
+    assert run_numerics(began({}), began({"attention": {}})) == "both in fp32 numerics"
+    assert "in different numerics, bf16-kv and fp32" in run_numerics(packed, began({}))
+    decode = lambda ids: "x"  # noqa: E731
+    assert "the same 2 tokens as the target's own greedy decoding (both in bf16-kv numerics)." in exactness_html(
+        [1, 2], [1, 2], decode, "SpecExtend", "", both)
+    assert "(2 vs 3: one run ended earlier; both in bf16-kv numerics)." in exactness_html([1, 2], [1, 2, 3], decode,
+                                                                                           numerics=both)
+    assert "greedy output (both in bf16-kv numerics) at new token 1" in exactness_html([1, 9], [1, 2], decode,
+                                                                                        numerics=both)

@@ -96,26 +96,38 @@ def first_divergence(ours: Sequence[int], reference: Sequence[int]) -> int | Non
 
 
 def exactness_html(ours: Sequence[int], reference: Sequence[int], decode: Decode, what: str = "this run",
-                   reading: str = "") -> str:
+                   reading: str = "", numerics: str = "") -> str:
     """Compare a run's tokens with the target's own greedy tokens; show the first divergence if any. `reading`
-    says what the two continued from (the prompt's reading: `prompt_reading`)."""
+    says what the two continued from (the prompt's reading: `prompt_reading`), `numerics` what they decoded in
+    (`run_numerics`)."""
     i = first_divergence(ours, reference)
     n = min(len(ours), len(reference))
     said = f" {html.escape(reading)}" if reading else ""
+    decoded = f" ({html.escape(numerics)})" if numerics else ""
     if i is None:
         if len(ours) == len(reference):
             return (f"<div class='se-ok'>✔ Exact: {html.escape(what)} produced the same {n} tokens as the "
-                    f"target's own greedy decoding.{said}</div>")
+                    f"target's own greedy decoding{decoded}.{said}</div>")
         return (f"<div class='se-ok'>✔ Exact over the {n} tokens both produced ({len(ours)} vs "
-                f"{len(reference)}: one run ended earlier).{said}</div>")
+                f"{len(reference)}: one run ended earlier{'; ' + html.escape(numerics) if numerics else ''}).{said}</div>")
     before = html.escape(decode(list(ours[max(0, i - 24) : i])))
     a = html.escape(decode([ours[i]]))
     b = html.escape(decode([reference[i]]))
     return (
-        f"<div class='se-bad'>✘ {html.escape(what)} first differs from the target's greedy output at new token "
+        f"<div class='se-bad'>✘ {html.escape(what)} first differs from the target's greedy output{decoded} at new token "
         f"{i}: …{before}<b style='color:{STATUS_COLORS['rejected']}'>[{a}]</b> where the target wrote "
         f"<b>[{b}]</b>. (Tiny numeric differences between batched and one-token forwards can flip a near-tie.){said}</div>"
     )
+
+
+def run_numerics(ours: Started | None, reference: Started | None) -> str:
+    """The target's numerics setting two runs decoded in, in words: "both in bf16-kv numerics" (a race's runs share
+    the pair's), or both settings where they differ (a near-tie may then differ)."""
+    if ours is None or reference is None:
+        return ""
+    if ours.numerics == reference.numerics:
+        return f"both in {ours.numerics} numerics"
+    return f"in different numerics, {ours.numerics} and {reference.numerics}, so a near-tie may differ"
 
 
 def prompt_reading(ours: Started | None, reference: Started | None) -> str:
