@@ -1,11 +1,14 @@
 """Time the app's default race as a newcomer meets it: the first sample, the default task and knobs, the main
 method then the race, through the app's own Job on the bundled pair. Runs it with the target's prefill read
 by every method and with it shared, and with each `--bf16-prefill` setting (alternating, after a warm-up of each),
-and prints each run's wall time, the time to the first token a user sees (the main run's first token) and the dtype
-the target read the prompt in.
+and prints each run's wall time, the time to the first token a user sees (the main run's first token), the dtype
+the target read the prompt in and the numerics setting every run decoded in (`--numerics`, the app's
+SPECEXTEND_NUMERICS: auto is the CPU default; a bf16 setting reads the prompt in its own products, so --bf16-prefill
+stands in fp32 only).
 
     python -m scripts.race_time --repeats 1
-    python -m scripts.race_time --repeats 2 --sharing shared --bf16-prefill off,auto   # fp32 against the choice
+    python -m scripts.race_time --repeats 2 --sharing shared --bf16-prefill off,auto --numerics fp32   # fp32 vs the choice
+    python -m scripts.race_time --repeats 2 --sharing shared --numerics bf16-kv
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from app.runner import Job, Knobs, build_config
 from app.settings import BUNDLED_PAIR
 from app.studio import DEFAULT_TASK
 from specextend.events import Prefilled, Started
+from specextend.tools.cli import add_numerics_argument
 
 METHODS = ("specextend", "speculative", "autoregressive")  # the page's default method and race
 
@@ -41,25 +45,31 @@ def race(loaded, prompt, shared: bool, bf16_prefill: str = "auto") -> dict:
     if job.error:
         raise SystemExit(job.error)
     main = job.runs[METHODS[0]]
-    return {"bf16_prefill": bf16_prefill, "prefill_dtype": next(e.prefill_dtype for e in main if isinstance(e, Started)),
+    began_main = next(e for e in main if isinstance(e, Started))
+    return {"numerics": began_main.numerics, "bf16_prefill": bf16_prefill, "prefill_dtype": began_main.prefill_dtype,
             "shared": shared, "wall_s": round(time.perf_counter() - began, 1), "first_token_s": round(first or 0.0, 1),
             "prefill_s": {m: round(next(e.target_s for e in job.runs[m] if isinstance(e, Prefilled)), 1) for m in METHODS},
             "same_output": len({job.runs[m][-1].token_ids for m in METHODS}) == 1}
 
 
-def main() -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--sharing", choices=("both", "shared", "unshared"), default="both",
                    help="races with the target's prefill shared (as a click runs them), read by every method, or both")
     p.add_argument("--bf16-prefill", default="auto", help="comma list of settings to alternate: auto, on, off")
-    args = p.parse_args()
+    add_numerics_argument(p)
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    args = parse()
     settings = [s.strip() for s in args.bf16_prefill.split(",") if s.strip()]
     sharing = {"both": (False, True), "shared": (True,), "unshared": (False,)}[args.sharing]
-    loaded = real_factory(BUNDLED_PAIR, lambda message: None)
+    loaded = real_factory(BUNDLED_PAIR, lambda message: None, numerics=args.numerics)
     name = documents.samples()[0][1]
     prompt = loaded.codec.prompt(documents.sample_text(name), DEFAULT_TASK)
-    print(f"{name}: {len(prompt.ids):,} prompt tokens", flush=True)
+    print(f"{name}: {len(prompt.ids):,} prompt tokens, {loaded.numerics} numerics", flush=True)
     for setting in settings:  # warm-up (kernel choices, first allocations)
         race(loaded, prompt, True, setting)
     for _ in range(args.repeats):

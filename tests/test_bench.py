@@ -11,6 +11,7 @@ import os
 
 import pytest
 
+from specextend import numerics
 from specextend.tools import bench, bundled
 from specextend.engine import generate
 from specextend.events import Finished
@@ -56,6 +57,10 @@ def test_quick_run_writes_table_json_csv_and_figures(quick):
 def test_quick_run_covers_every_method_with_the_required_fields(quick):
     _, _, out = quick
     report = json.loads((out / "bench.json").read_text())
+    # --numerics auto: the engine's methods in the CPU default where this CPU packs (checked against each other), the
+    # transformers peers in fp32 (against each other)
+    assert report["numerics"] == (numerics.CPU_DEFAULT if numerics.packs_here() else "fp32")
+    assert report["args"]["numerics"] == "auto"
     lengths = {c["length"] for c in report["cells"]}
     assert len(lengths) == 2
     for length in lengths:
@@ -163,13 +168,15 @@ def test_a_figure_that_cannot_be_drawn_is_reported_and_the_numbers_are_kept(tmp_
 
 
 def test_the_engines_methods_may_read_the_prompt_in_bf16(tmp_path, capsys):
-    """--bf16-prefill on: the engine's methods read the prompt in bf16 and are checked against each other, the
-    transformers peer (fp32) against itself; the report says what the prompt was read in."""
+    """--bf16-prefill on (in fp32 numerics, where it stands): the engine's methods read the prompt in bf16 and are
+    checked against each other, the transformers peer (fp32) against itself; the report says what the prompt was read
+    in."""
     rc = bench.main(["--quick", "--out", str(tmp_path), "--methods", "autoregressive,speculative,hf_assisted",
-                     "--skip", "sweep,needle", "--bf16-prefill", "on"])
+                     "--skip", "sweep,needle", "--bf16-prefill", "on", "--numerics", "fp32"])
     assert rc == 0, capsys.readouterr().err
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["prefill_dtype"] == "bfloat16" and report["args"]["bf16_prefill"] == "on"
+    assert report["numerics"] == "fp32"
     assert {c["method"] for c in report["cells"]} == {"autoregressive", "speculative", "hf_assisted"}
 
 

@@ -43,6 +43,27 @@ def test_knobs_reach_the_config():
     assert config_from(args("--signal-layers", "all", "--signal-combine", "max"), eos=()).retrieval.signal.layers == ()
 
 
+def test_the_numerics_flag_is_parsed_and_its_resolved_setting_reaches_the_config(capsys):
+    assert args().numerics == "auto" and args("--numerics", "bf16-kv").numerics == "bf16-kv"
+    assert config_from(args(), eos=()).attention.numerics == "fp32"  # the engine's default until a pair resolves it
+    assert config_from(args(), eos=(), numerics="bf16-kv").attention.numerics == "bf16-kv"
+    with pytest.raises(SystemExit):
+        args("--numerics", "fp16")
+    err = capsys.readouterr().err
+    assert "argument --numerics: invalid choice: 'fp16'" in err and "bf16-kv" in err
+
+
+def test_the_benchmark_and_the_race_timer_take_the_same_numerics_flag(capsys):
+    from scripts import race_time
+    from specextend.tools.bench.main import parse
+
+    for read in (parse, race_time.parse):
+        assert read([]).numerics == "auto" and read(["--numerics", "bf16"]).numerics == "bf16"
+        with pytest.raises(SystemExit):
+            read(["--numerics", "int8"])
+        assert "argument --numerics: invalid choice: 'int8'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("bad, message", [(["--chunk-size", "0"], "chunk_size"), (["--top-k", "0"], "top_k"),
                                           (["--k", "0"], "k must"), (["--temperature", "-1"], "temperature"),
                                           (["--working-cache", "8"], "smaller than one chunk"),
@@ -65,13 +86,14 @@ def test_generate_prints_text_then_json(tiny_dirs, tmp_path, capsys):
     trace = tmp_path / "trace.json"
     code = main(["generate", "--input", str(doc), "--method", "specextend", "--target", str(tiny_dirs[0]),
                  "--draft", str(tiny_dirs[1]), "--max-new-tokens", "12", "--chunk-size", "16", "--top-k", "4",
-                 "--trace", str(trace)])
+                 "--trace", str(trace), "--numerics", "bf16"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert code == 0
     result = json.loads(lines[-1])
     for key in ("method", "token_ids", "text", "decode_tokens_per_s", "e2e_tokens_per_s", "mean_accepted", "phase_seconds"):
         assert key in result
     assert result["method"] == "specextend" and 1 <= len(result["token_ids"]) <= 12
+    assert result["numerics"] == result["config"]["attention"]["numerics"] == "bf16"
     assert json.loads(trace.read_text())[0]["type"] == "Started"
 
 

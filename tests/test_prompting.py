@@ -156,6 +156,7 @@ def test_cli_benchmark_and_app_give_the_same_prompt_and_stop_ids(pair_dirs, tmp_
     bench_ids = bench.make_prompt(tokenizer, doc.read_text(), 4000, prompting.DEFAULT_INSTRUCTION)
     assert started["prompt_ids"] == app_prompt.ids == bench_ids
     assert tuple(started["config"]["eos_token_ids"]) == loaded.codec.eos_ids == bench_stops
+    assert started["config"]["attention"]["numerics"] == loaded.numerics  # --numerics auto as SPECEXTEND_NUMERICS
     assert 7 in bench_stops and tokenizer.eos_token_id in bench_stops
     with_template = bool(tokenizer.chat_template)
     assert (tokenizer.decode(app_prompt.ids[:1]) == "<|im_start|>") == with_template

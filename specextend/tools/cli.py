@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import TextIO
 
 from . import prompting
-from ..config import (METHODS, SIGNAL_NAMES, AttentionConfig, DraftConfig, LookupConfig, RetrievalConfig, RetrievalSignal,
-                     draft_defaults, preset)
+from ..config import (METHODS, NUMERICS_CHOICES, SIGNAL_NAMES, AttentionConfig, DraftConfig, LookupConfig, RetrievalConfig,
+                     RetrievalSignal, draft_defaults, preset)
 from ..events import Event, Finished, Prefilled, Prefilling, Started, Verified
 
 
@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft", help="draft model (default: bundled)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    add_numerics_argument(g)
     g.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
     g.add_argument("--max-new-tokens", type=int, help=f"default: 128 ({prompting.LONG_OUTPUT_TOKENS} with --long-output)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
@@ -79,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quiet", action="store_true",
                    help="print nothing on stderr but errors (no progress, no word on the bundled target's preparation)")
     return p
+
+
+def add_numerics_argument(parser: argparse.ArgumentParser) -> None:
+    """The target's numerics setting (shared by the CLI, the benchmark and scripts/race_time.py)."""
+    parser.add_argument("--numerics", choices=NUMERICS_CHOICES, default="auto",
+                        help="the target's products and KV cache (specextend/numerics.py): auto is bf16-kv for an fp32 "
+                             "target on a CPU with native bf16 products, else fp32; every method runs in it")
 
 
 def add_lookup_arguments(parser: argparse.ArgumentParser) -> None:
@@ -145,9 +153,10 @@ def workload(args: argparse.Namespace) -> tuple[str, int]:
     return given(args.instruction, instruction), given(args.max_new_tokens, tokens)
 
 
-def config_from(args: argparse.Namespace, eos: tuple[int, ...], device_type: str = "cpu"):
-    """A GenerationConfig from parsed arguments (draft settings not given: the device's defaults); every nonsense
-    value raises ValueError here."""
+def config_from(args: argparse.Namespace, eos: tuple[int, ...], device_type: str = "cpu", numerics: str = "fp32"):
+    """A GenerationConfig from parsed arguments (draft settings not given: the device's defaults) in the numerics
+    setting `numerics` (--numerics resolved for the loaded target: `numerics.choose`); every nonsense value raises
+    ValueError here."""
     if args.working_cache is not None:
         retrieval = RetrievalConfig.with_working_cache(
             args.working_cache, args.chunk_size, retrieve_every=args.retrieve_every,
@@ -163,7 +172,7 @@ def config_from(args: argparse.Namespace, eos: tuple[int, ...], device_type: str
     lookup = lookup_from(args, args.lookup)
     base = preset(args.method).attention
     attention = AttentionConfig(prefill=args.prefill or base.prefill, verify=args.verify or base.verify,
-                                steps=args.steps or base.steps)
+                                steps=args.steps or base.steps, numerics=numerics)
     return preset(args.method, max_new_tokens=workload(args)[1], temperature=args.temperature, top_p=args.top_p,
                   seed=args.seed, eos_token_ids=eos, draft=draft, retrieval=retrieval, attention=attention, cmr=args.cmr,
                   lookup=lookup)
@@ -253,6 +262,7 @@ def generate_command(args: argparse.Namespace) -> int:
     from ..events import save_trace
     from ..metrics import summarize
     from ..models import load_pair, read_tokenizer
+    from ..numerics import choose
 
     text = Path(args.input).read_text(encoding="utf-8")
     if not text.strip():
@@ -272,7 +282,8 @@ def generate_command(args: argparse.Namespace) -> int:
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-    config = config_from(args, prompting.stop_ids(tokenizer, pair.target), pair.device.type)
+    config = config_from(args, prompting.stop_ids(tokenizer, pair.target), pair.device.type,
+                         choose(pair.target, args.numerics))
     prompt = prompt_from(args, tokenizer, text, pair.max_positions - config.max_new_tokens)
     progress = (lambda event: None) if args.quiet else Progress(sys.stderr)
     trace = []
@@ -289,7 +300,8 @@ def generate_command(args: argparse.Namespace) -> int:
     print(json.dumps({
         "method": config.method, "prompt_tokens": len(prompt), "token_ids": list(finished.token_ids),
         "text": out_text, **summary.figures(),
-        "device": str(pair.device), "dtype": str(pair.dtype).replace("torch.", ""), "backend": pair.backend,
+        "device": str(pair.device), "dtype": str(pair.dtype).replace("torch.", ""), "numerics": config.attention.numerics,
+        "backend": pair.backend,
         "config": trace[0].config,  # as the engine ran it: the retrieval signal resolved for the pair
     }))
     return 0

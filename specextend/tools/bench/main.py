@@ -17,7 +17,8 @@ from pathlib import Path
 from .. import bundled, prompting
 from ...config import DraftConfig, RetrievalConfig
 from ...models import ModelPair, load_pair, make_pair, prefill_dtype, read_tokenizer
-from ..cli import add_lookup_arguments, add_signal_arguments, lookup_from, signal_from
+from ...numerics import apply, bf16_prefill, choose
+from ..cli import add_lookup_arguments, add_numerics_argument, add_signal_arguments, lookup_from, signal_from
 from ..kernel_bench import llama
 from .inputs import (GreedyMismatch, LONG_OUTPUT_METHODS, METHODS, PEERS, QUICK, QUICK_SHAPE, aliases, cut_text,
                      long_output_inputs, make_inputs, method_configs)
@@ -44,10 +45,11 @@ def load(args) -> tuple[ModelPair, object, tuple[int, ...]]:
     return pair, tokenizer, prompting.stop_ids(tokenizer, pair.target)
 
 
-def reader(method: str, bf16_prefill: str) -> str:
-    """Which prompt reading a method's greedy output is compared within: one for all, unless the engine's methods may
-    read the prompt in bf16 and transformers' peers (PEERS) read it in fp32."""
-    return "transformers" if method in PEERS and bf16_prefill != "off" else "engine"
+def reader(method: str, prefill: str, numerics: str = "fp32") -> str:
+    """Which reading and decoding a method's greedy output is compared within: one for all, unless the engine's methods
+    may read the prompt in bf16 (`prefill`, the bf16_prefill asked) or run in a bf16 numerics setting while
+    transformers' peers (PEERS) run the target in fp32."""
+    return "transformers" if method in PEERS and (prefill != "off" or numerics != "fp32") else "engine"
 
 
 def machine(pair: ModelPair) -> dict:
@@ -63,10 +65,12 @@ def machine(pair: ModelPair) -> dict:
 
 def run(args, progress) -> dict:
     pair, tokenizer, eos = load(args)
+    numerics = choose(pair.target, args.numerics)  # every engine method runs in it; the peers as loaded (fp32)
     retrieval = replace(QUICK["retrieval"] if args.quick else RetrievalConfig(), signal=signal_from(args))
     draft = DraftConfig(shape=args.draft_shape, k=args.k)
     base = dict(max_new_tokens=args.max_new_tokens, eos_token_ids=eos, draft=draft, retrieval=retrieval)
-    configs = {name: config and config.replace(attention=replace(config.attention, bf16_prefill=args.bf16_prefill))
+    configs = {name: config and config.replace(attention=replace(config.attention, bf16_prefill=args.bf16_prefill,
+                                                                 numerics=numerics))
                for name, config in method_configs(base, args.prefill, lookup_from(args, None)).items()}
     names = [m for m in METHODS if m in args.methods]
     same_as = {k: v for k, v in aliases(configs).items() if k in names and v in names}
@@ -79,8 +83,9 @@ def run(args, progress) -> dict:
     long_inputs = long_output_inputs(tokenizer, args.long_output_prompts) if args.long_output else []
     long_measured = [m for m in measured if m in LONG_OUTPUT_METHODS] if long_inputs else []
     report = {"machine": machine(pair), "args": {k: sorted(v) if isinstance(v, set) else v for k, v in vars(args).items()},
-              "methods": names, "retrieval": asdict(retrieval), "draft": asdict(draft),
-              "prefill_dtype": str(prefill_dtype(pair.target, args.bf16_prefill)).replace("torch.", "")}
+              "methods": names, "retrieval": asdict(retrieval), "draft": asdict(draft), "numerics": numerics,
+              "prefill_dtype": str(prefill_dtype(pair.target, bf16_prefill(numerics, args.bf16_prefill))).replace(
+                  "torch.", "")}
     bar = progress(total=(len(measured) * (1 + len(inputs) * args.repeats) if inputs else 0) + len(sweeps) * args.repeats
                    + n_needles + len(long_measured) * (1 + len(long_inputs) * args.repeats))
 
@@ -97,7 +102,7 @@ def run(args, progress) -> dict:
             for name in rotated(measured, repeat):  # alternate the order of methods between repeats
                 bar.set_description(f"{len(item['prompt'])} tok {item['document'][:16]} {name}")
                 result = run_method(pair, item["prompt"], name, configs[name], args.max_new_tokens, eos)
-                key = (item["document"], item["length"], reader(name, args.bf16_prefill))
+                key = (item["document"], item["length"], reader(name, args.bf16_prefill, numerics))
                 check_or_keep(references, key, name, result["token_ids"], where)
                 runs.append({"method": name, "document": item["document"], "length": item["length"], "repeat": repeat,
                              "prompt_tokens": len(item["prompt"]), **result})
@@ -123,7 +128,8 @@ def run(args, progress) -> dict:
             sweep.append(sweep_row(setting, config, results))
         report["sweep"] = [s for s in sweep if s.decode_tokens_per_s]
 
-    if n_needles:  # does each working cache hold a planted needle, and can the draft alone answer from it
+    if n_needles:  # does each working cache hold a planted needle, and can the draft alone answer from it (in fp32)
+        apply(pair.target, "fp32")
         depths = [float(x) for x in args.needle_depths.split(",")]
         texts = needle_texts(args.needle_docs)
         texts = {name: cut_text(tokenizer, text, args.needle_tokens - 48) for name, text in texts.items()}
@@ -178,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", help="draft model (default: bundled)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    add_numerics_argument(p)
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
     p.add_argument("--methods", default=",".join(METHODS), help="comma list, from: " + ", ".join(METHODS))
     p.add_argument("--lengths", default="1024,2048,4096,7168", help="input lengths in target tokens")
@@ -188,10 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", choices=("fused", "eager"), default="fused",
                    help="the baselines' prefill kernel: fused (SDPA, transformers' default) or eager (the paper's)")
     p.add_argument("--bf16-prefill", choices=("off", "auto", "on"), default="off",
-                   help="the engine's methods read the prompt in bf16 (an fp32 target): off keeps every method, and "
-                        "transformers' peers, on one fp32 reading, so greedy outputs are compared across all of them; "
-                        "auto or on (what the app does by default: auto) compares the engine's methods with each other "
-                        "and the peers with each other")
+                   help="the engine's methods read the prompt in bf16 (an fp32 target, --numerics fp32): off keeps "
+                        "every method, and transformers' peers, on one fp32 reading, so greedy outputs are compared "
+                        "across all of them (with --numerics fp32); auto or on compares the engine's methods with each "
+                        "other and the peers with each other, as a bf16 numerics setting does")
     p.add_argument("--draft-shape", choices=("chain", "tree"), default=DraftConfig().shape)
     p.add_argument("--k", type=int, default=DraftConfig().k, help="chain: draft tokens per step")
     add_lookup_arguments(p)

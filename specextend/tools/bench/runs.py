@@ -15,6 +15,7 @@ from ...engine import generate
 from ...events import Finished
 from ...metrics import PHASES, summarize, tokens_per_step_by_window
 from ...models import ModelPair
+from ...numerics import apply
 from .inputs import ASSISTED, BASELINES, GreedyMismatch, HF_LOOKUP_TOKENS, PROMPT_LOOKUP
 
 
@@ -36,7 +37,11 @@ class _StepClock:
 
 def run_peer(pair: ModelPair, prompt: list[int], config: GenerationConfig, name: str) -> dict:
     """A transformers peer, greedy: assisted generation with its default draft settings (restored after each
-    call), or prompt lookup decoding with its documented settings."""
+    call), or prompt lookup decoding with its documented settings. It runs the models as loaded (fp32 numerics: an
+    engine run before it may have left them in another setting)."""
+    for model in (pair.target, pair.draft):
+        if model is not None:
+            apply(model, "fp32")
     ids = torch.tensor([prompt], device=pair.device)
     clock = _StepClock()
     saved = copy.deepcopy(pair.draft.generation_config)  # its confidence threshold adapts and persists otherwise
