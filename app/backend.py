@@ -83,7 +83,7 @@ class Loaded:
     """A model pair ready to generate, with its tokenizer; `heads` draws where the target's heads look (the needle
     tab's layer x head picture), None where the engine has no attention to show. `numerics` is the pair's: a model
     runs one numerics setting at a time (specextend/numerics.py switches it in place), so every request on a loaded
-    pair runs in its setting (`in_numerics`), and two at once cannot switch it under each other."""
+    pair runs in its setting (`generate_in`), and two at once cannot switch it under each other."""
 
     choice: PairChoice
     codec: Codec
@@ -162,13 +162,13 @@ class EngineFactory(Protocol):
     def __call__(self, choice: PairChoice, progress: Progress) -> Loaded: ...
 
 
-def in_numerics(generate: Generate, setting: str) -> Generate:
-    """`generate` with every request's config in numerics `setting` (a loaded pair's `numerics`)."""
+def generate_in(pair, setting: str, prompt_ids: list[int], config: GenerationConfig,
+                stop: threading.Event | None = None, shared=None) -> Iterator[Event]:
+    """The engine's generate on `pair` with the request's config in numerics `setting` (a loaded pair's `numerics`)."""
+    from specextend.engine import generate
 
-    def run(prompt_ids: list[int], config: GenerationConfig, stop: threading.Event | None = None) -> Iterator[Event]:
-        return generate(prompt_ids, config.replace(attention=replace(config.attention, numerics=setting)), stop)
-
-    return run
+    return generate(pair, prompt_ids, config.replace(attention=replace(config.attention, numerics=setting)), stop,
+                    shared=shared)
 
 
 def real_factory(choice: PairChoice, progress: Progress, dtype: str = "auto", numerics: str = "auto") -> Loaded:
@@ -202,7 +202,6 @@ def serve(choice: PairChoice, tokenizer: Any, pair, numerics: str = "auto") -> L
     """A loaded pair and its target's tokenizer, as the app runs them: every request, and the needle tab's picture, in
     the numerics setting `numerics` resolves to for the pair (`numerics.choose`: "auto" is the CPU default where it
     applies); the target is switched to it here, once."""
-    from specextend.engine import generate
     from specextend.models import prefill_dtype
     from specextend.numerics import apply, bf16_prefill, choose
     from specextend.target import SharedPrefill
@@ -215,9 +214,9 @@ def serve(choice: PairChoice, tokenizer: Any, pair, numerics: str = "auto") -> L
     # the runs' default bf16_prefill ("auto") in the pair's setting, timed here once rather than in the first run
     reads = prefill_dtype(pair.target, bf16_prefill(setting, "auto"))
     dtype, reads = (str(d).replace("torch.", "") for d in (pair.dtype, reads))
-    return Loaded(choice, codec, in_numerics(partial(generate, pair), setting), pair.max_positions, str(pair.device),
+    return Loaded(choice, codec, partial(generate_in, pair, setting), pair.max_positions, str(pair.device),
                   dtype if reads == dtype else f"{dtype}, prompts read in {reads}", partial(head_picture, pair),
-                  lambda: in_numerics(partial(generate, pair, shared=SharedPrefill()), setting), shorter,
+                  lambda: partial(generate_in, pair, setting, shared=SharedPrefill()), shorter,
                   partial(forget, tuple(weakref.ref(m) for m in (pair.target, pair.draft) if m is not None)),
                   heads_key=heads_key(pair), numerics=setting)
 
