@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from specextend import numerics
-from specextend.config import NUMERICS_CHOICES, LookupConfig, preset
+from specextend.config import LookupConfig, preset
 from specextend.engine import generate
 from specextend.heads import load_head
 from specextend.metrics import summarize
@@ -32,6 +32,7 @@ from specextend.models import load_pair, make_pair, read_tokenizer
 from specextend.target import SharedPrefill
 from specextend.tools import bundled
 from specextend.tools.bench import make_inputs
+from specextend.tools.cli import add_numerics_argument
 from specextend.tools.prompting import DEFAULT_INSTRUCTION, stop_ids
 
 
@@ -57,7 +58,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--only", default="", help="comma list of method names to run (default: all)")
     p.add_argument("--out", type=Path, help="write every run's figures here as JSON lines")
-    p.add_argument("--numerics", choices=NUMERICS_CHOICES, default="auto", help="the target's numerics (auto: the CPU default)")
+    add_numerics_argument(p)
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     target_dir = bundled.target_dir()
