@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from specextend import numerics
-from specextend.config import LookupConfig, preset
+from specextend.config import DraftConfig, LookupConfig, preset
 from specextend.engine import generate
 from specextend.heads import load_head
 from specextend.metrics import summarize
@@ -36,8 +36,9 @@ from specextend.tools.cli import add_numerics_argument
 from specextend.tools.prompting import DEFAULT_INSTRUCTION, stop_ids
 
 
-def methods(base: dict, setting: str) -> dict[str, tuple[str, object]]:
-    """name -> (which draft, config), every config in numerics `setting`."""
+def methods(base: dict, setting: str, chains: tuple[int, ...] = ()) -> dict[str, tuple[str, object]]:
+    """name -> (which draft, config), every config in numerics `setting`; `chains`: the head's SpecExtend runs again
+    with each of these chain lengths (named "... k=N"), beside the default's."""
     lookup = LookupConfig(enabled=True)
     out = {"target alone": ("model", preset("autoregressive", **base))}
     for draft in ("model", "head"):
@@ -45,6 +46,10 @@ def methods(base: dict, setting: str) -> dict[str, tuple[str, object]]:
         out[f"{draft}: streaming"] = (draft, preset("streaming", **base))
         out[f"{draft}: specextend (CMR)"] = (draft, preset("specextend", **base))
         out[f"{draft}: specextend + lookup"] = (draft, preset("specextend", lookup=lookup, **base))
+    for k in chains:
+        shape = DraftConfig(shape="chain", k=k)
+        out[f"head: specextend (CMR) k={k}"] = ("head", preset("specextend", draft=shape, **base))
+        out[f"head: specextend + lookup k={k}"] = ("head", preset("specextend", draft=shape, lookup=lookup, **base))
     return {name: (draft, config.replace(attention=replace(config.attention, numerics=setting)))
             for name, (draft, config) in out.items()}
 
@@ -59,6 +64,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="", help="comma list of method names to run (default: all)")
     p.add_argument("--out", type=Path, help="write every run's figures here as JSON lines")
     add_numerics_argument(p)
+    p.add_argument("--chains", default="", help="comma list of chain lengths the head's SpecExtend also runs with")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     target_dir = bundled.target_dir()
@@ -71,7 +77,7 @@ def main(argv=None) -> int:
     base = dict(max_new_tokens=args.max_new_tokens, eos_token_ids=stop_ids(tokenizer, model_pair.target))
     setting = numerics.choose(model_pair.target, args.numerics)
     print(f"numerics: {setting}", flush=True)
-    configs = methods(base, setting)
+    configs = methods(base, setting, tuple(int(k) for k in args.chains.split(",") if k.strip()))
     if args.only:
         configs = {k: v for k, v in configs.items() if k in args.only.split(",") or k == "target alone"}
     lengths = [int(x) for x in args.lengths.split(",")]
