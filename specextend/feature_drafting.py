@@ -66,6 +66,7 @@ class FeatureDrafter(PolicyDrafter):
     """Drafts with an EAGLE head from a policy-managed working cache of head entries."""
 
     def __init__(self, head: EagleHead, config: GenerationConfig, policy: DraftCachePolicy, capacity: int) -> None:
+        head.get_output_embeddings()  # built (lazily) before the switch, so that its output rows switch too
         self.head = numerics.apply(head, config.attention.numerics)  # the head's products in the target's numerics
         largest = max(config.draft.depth + 1, config.draft.width[0])  # the pending entries, or one tree level
         steps = config.attention.steps
