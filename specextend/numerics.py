@@ -4,11 +4,14 @@
 - "bf16": each Linear's weight held a second time in bf16, in oneDNN's packed layout (what Inductor's CPU freezing
   hands `mkldnn._linear_pointwise`); a product rounds its input to bf16, accumulates in fp32 inside the kernel, and
   rounds its output to bf16, handed back in the input's dtype. Norms, RoPE, attention, the residual stream and the
-  KV cache stay fp32. A step reads half the weight bytes. The packed kernel gave the same bits for a row whether it
-  ran alone or among 4-32 rows at the bundled target's shapes (fp32 GEMMs did not): the 576->1536->576 MLP's
-  down-projection over 32 rows was the one exception measured (`kernel_bench --roofline` checks it).
+  KV cache stay fp32. A step reads half the weight bytes. A row gets the same bits alone as among others (fp32 GEMMs
+  do not): the packed kernel does for products up to 1,024 inputs wide, and wider ones (the bundled target's
+  1,536-wide down-projection, where it did not) run in parts of at most PART_WIDTH inputs, summed in fp32. Any
+  difference between a row alone and in a verification is rounded up to whole bf16 steps at the next product and
+  moves logits by tenths, enough to flip near-ties, so this is what keeps every method's greedy output equal.
 - "bf16-kv": "bf16" and the KV cache in bf16: keys and values are rounded as they are written, and attention runs
-  its query rounded to bf16 over them (the cache is the larger half of a step's bytes at 7.5K tokens).
+  its query rounded to bf16 over them (the cache is the larger half of a step's bytes at 7.5K tokens; the CPU kernel
+  for it is cpu_kernels.py's where it builds).
 
 `apply(model, setting)` switches a loaded model in place (idempotent; a model packed once keeps its packed weights
 when switched back to fp32, so a race's methods switch for free); `kv_dtype(setting)` is the dtype its cache keeps.
@@ -74,11 +77,29 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16), None)
 
 
+# The packed product gave a row the same bits alone as among 2-33 rows for inputs up to 1,024 wide, but not for the
+# bundled target's 1,536-wide down-projection (1-3 rows in 2-33 differed, and greedy output with them), so a wider
+# product runs as products over parts of at most PART_WIDTH inputs, summed in fp32 in order
+PART_WIDTH = 576
+
+
+def parts(width: int) -> int:
+    """How many equal parts a product over `width` inputs runs in (the last may be narrower)."""
+    return -(-width // PART_WIDTH)
+
+
+def pack_parts(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`weight` (out, in) packed in `parts(in)` slices of its inputs, each `pack`ed."""
+    n = parts(weight.shape[1])
+    step = -(-weight.shape[1] // n)
+    return tuple(pack(weight[:, i : i + step]) for i in range(0, weight.shape[1], step))
+
+
 class PackedLinear(SkinnyLinear):
     """A Linear whose product runs over its packed bf16 weight while `packed` is set (`apply`), else as a
     SkinnyLinear. Its parameters, their names and ties are unchanged (the fp32 weight stays the reference)."""
 
-    packed: torch.Tensor | None = None
+    packed: tuple[torch.Tensor, ...] | None = None  # pack_parts
     packed_bias: torch.Tensor | None = None
     unpacked: type | None = None  # the module's class before it was packed, given back in fp32
 
@@ -86,7 +107,16 @@ class PackedLinear(SkinnyLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # 0.4 s instead of 0.3 ms for the head's 8,192-row output layer
         if self.packed is None or x.device.type != "cpu":
             return super().forward(x)
-        out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.packed, self.packed_bias, "none", [], "")
+        xb = x.to(torch.bfloat16)
+        if len(self.packed) == 1:
+            return torch.ops.mkldnn._linear_pointwise(xb, self.packed[0], self.packed_bias, "none", [], "").to(x.dtype)
+        step = -(-self.in_features // len(self.packed))
+        out = None
+        for i, part in enumerate(self.packed):  # (..., out) each, rounded to bf16, summed in fp32
+            bias = self.packed_bias if i == 0 else None
+            y = torch.ops.mkldnn._linear_pointwise(xb[..., i * step : (i + 1) * step].contiguous(), part, bias, "none", [],
+                                                   "").float()
+            out = y if out is None else out.add_(y)
         return out.to(x.dtype)  # (..., out)
 
 
@@ -104,7 +134,7 @@ def apply(model: torch.nn.Module, setting: str) -> torch.nn.Module:
         kept = _PACKS.get(module)
         if kept is None or kept[0] != module.weight._version:
             bias = None if module.bias is None else module.bias.detach().to(torch.bfloat16)
-            _PACKS[module] = kept = (module.weight._version, pack(module.weight), bias)
+            _PACKS[module] = kept = (module.weight._version, pack_parts(module.weight), bias)
         if not isinstance(module, PackedLinear):
             module.unpacked, module.__class__ = type(module), PackedLinear
         module.packed, module.packed_bias = kept[1], kept[2]

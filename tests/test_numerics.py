@@ -56,6 +56,23 @@ def test_fp32_gives_each_linear_the_class_it_had_before_packing():
     assert not {"packed", "packed_bias", "unpacked"} & vars(model[0]).keys()
 
 
+@pytest.mark.parametrize("shape", [(576, 576), (192, 576), (1536, 576), (576, 1536)])  # the bundled target's
+def test_a_packed_product_gives_a_row_the_same_bits_alone_as_among_others(shape):
+    """What keeps greedy output equal across methods in bf16: a verification's rows computed as the autoregressive
+    step computes each alone. The 1,536-wide down-projection runs in parts (numerics.PART_WIDTH); in one product,
+    1-3 rows in 2-33 got other bits (measured on the bundled target's weights)."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(shape[1], shape[0], bias=False)
+    numerics.apply(torch.nn.Sequential(linear), "bf16")
+    assert len(linear.packed) == numerics.parts(shape[1]) and (shape[1] <= numerics.PART_WIDTH) == (len(linear.packed) == 1)
+    for rows in [*range(2, 18), 33]:
+        for _ in range(2):
+            x = torch.randn(rows, shape[1]) * torch.rand(rows, shape[1]) * 3  # heavy tails: more roundings at stake
+            together = linear(x)
+            alone = torch.cat([linear(x[i : i + 1]) for i in range(rows)])
+            assert torch.equal(together, alone), (shape, rows)
+
+
 def test_kv_cache_in_bf16(pair):
     from specextend.target import Target
 
