@@ -73,14 +73,26 @@ class DraftConfig:
 # The draft's defaults on a GPU, from the verification cost curve gpu_check measured on an H200 (7B-shaped target,
 # 16K tokens, captured steps; docs/RESULTS.md, "GPU path"): verifying 1 / 8 / 16 / 32 / 64 tokens took 7.5 / 8.4 /
 # 8.7 / 11.0 / 13.4 ms. Forwards are padded to powers of two, and 16 tokens cost 1.16x one token while 32 cost
-# 1.47x: a tree of 15 nodes (16 tokens with its root) is the most a step can verify nearly free. The CPU keeps the
-# chain it was tuned with (README, "Status").
+# 1.47x: a tree of 15 nodes (16 tokens with its root) is the most a step can verify nearly free. The CPU drafts a
+# chain of CPU_CHAIN.
 GPU_DRAFT = DraftConfig(shape="tree", max_depth=5, node_budget=15)
+
+# SpecExtend + lookup, bundled pair, bf16-kv, greedy, median of 3 documents, speed-up over the target alone at ~7K / ~1K:
+# k=1 1.28x / 2.36x, k=2 1.41x / 2.36x, k=3 1.37x / 2.31x, k=4 1.33x / 2.08x (a verified row costs ~2.4 ms of a 30 ms
+# step at 7.5K; the head's later tokens are rarely kept): python -m scripts.head_race --numerics bf16-kv --chains 1,2,3
+# --lengths 7168,1024 --docs 3
+CPU_CHAIN = 2
+
+
+def default_chain(device: str) -> int:
+    """The chain length k a device drafts unless the user sets it: CPU_CHAIN on the CPU ("cpu"), DraftConfig's own
+    elsewhere ("cuda", "cuda:1", ...), where verifying more rows is nearly free."""
+    return CPU_CHAIN if str(device).split(":")[0] == "cpu" else DraftConfig().k
 
 
 def draft_defaults(device_type: str) -> DraftConfig:
     """The draft settings a device gets unless the user sets them."""
-    return GPU_DRAFT if device_type == "cuda" else DraftConfig()
+    return GPU_DRAFT if device_type == "cuda" else DraftConfig(k=default_chain(device_type))
 
 
 @dataclass(frozen=True)

@@ -147,6 +147,7 @@ def test_png_writer_without_a_browser_loses_nothing(tmp_path, monkeypatch, capsy
     assert {"bench.csv", "bench.md", "throughput.html"} <= set(report["files"])
     assert not any(name.endswith(".png") for name in report["files"])
     assert "Kaleido requires Google Chrome" in capsys.readouterr().err
+    assert report["args"]["k"] is None and report["draft"]["k"] == 2  # no --k: the CPU's chain (config.default_chain)
 
 
 def test_a_figure_that_cannot_be_drawn_is_reported_and_the_numbers_are_kept(tmp_path, monkeypatch, capsys):

@@ -31,7 +31,8 @@ def test_knobs_reach_the_config():
     assert config_from(args("--steps", "static", "--verify", "onecall"), eos=()).attention == AttentionConfig(
         "fused", "onecall", "static")
     assert config_from(args("--no-cmr"), eos=()).draft_cache == "full"
-    assert config_from(args(), eos=()).draft == DraftConfig()  # the CPU's defaults
+    assert config_from(args(), eos=()).draft == DraftConfig(k=2)  # the CPU's defaults: a chain of config.CPU_CHAIN
+    assert config_from(args("--k", "4"), eos=()).draft.k == 4  # a chain length given wins
     assert config_from(args(), eos=(), device_type="cuda").draft == GPU_DRAFT  # a GPU's, from its cost curve
     mixed = config_from(args("--draft-shape", "chain", "--k", "6"), eos=(), device_type="cuda").draft
     assert (mixed.shape, mixed.k, mixed.node_budget) == ("chain", 6, GPU_DRAFT.node_budget)

@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specextend import events as ev
-from specextend.config import AttentionConfig, DraftConfig, GenerationConfig, RetrievalConfig, preset
+from specextend.config import (AttentionConfig, DraftConfig, GenerationConfig, RetrievalConfig, default_chain,
+                               draft_defaults, preset)
 from specextend.events import Drafted, Finished, Prefilled, Prefilling, Retrieved, Started, Verified
 from specextend.metrics import (
     acceptance_by_position,
@@ -89,6 +90,9 @@ def test_sensible_settings_resolve():
     assert RetrievalConfig(chunk_size=4, top_k=2, sink_tokens=7).working_cache == 8
     chain = DraftConfig(k=3)
     assert (chain.depth, chain.budget, chain.width) == (3, 3, (1, 1))
+    # the chain a device drafts unless told: 2 on the CPU (measured), the engine's own 4 where verification is cheap
+    assert (default_chain("cpu"), default_chain("cuda"), default_chain("cuda:1"), DraftConfig().k) == (2, 4, 4, 4)
+    assert draft_defaults("cpu") == DraftConfig(k=2) and draft_defaults("cuda").shape == "tree"
     tree = DraftConfig(shape="tree", max_depth=4, node_budget=9, branch=2, children=3)
     assert (tree.depth, tree.budget, tree.width) == (4, 9, (2, 3))
     assert preset("specextend").draft_cache == "cmr"

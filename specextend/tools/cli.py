@@ -50,9 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
-    # draft settings default to the device's (config.draft_defaults): a chain of 4 on CPU, a 15-node tree on CUDA
+    # draft settings default to the device's (config.draft_defaults): a chain of 2 on CPU, a 15-node tree on CUDA
     g.add_argument("--draft-shape", choices=("chain", "tree"))
-    g.add_argument("--k", type=int, help="chain: draft tokens per step")
+    g.add_argument("--k", type=int, help="chain: draft tokens per step (default: 2 on CPU, 4 on CUDA)")
     g.add_argument("--max-depth", type=int, help="tree: deepest level")
     g.add_argument("--node-budget", type=int, help="tree: most nodes verified per step")
     g.add_argument("--branch", type=int, help="tree: frontier nodes expanded per level")

@@ -15,7 +15,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from .. import bundled, prompting
-from ...config import DraftConfig, RetrievalConfig
+from ...config import DraftConfig, RetrievalConfig, default_chain
 from ...models import ModelPair, load_pair, make_pair, prefill_dtype, read_tokenizer
 from ...numerics import apply, bf16_prefill, choose
 from ..cli import add_lookup_arguments, add_numerics_argument, add_signal_arguments, lookup_from, signal_from
@@ -67,7 +67,7 @@ def run(args, progress) -> dict:
     pair, tokenizer, eos = load(args)
     numerics = choose(pair.target, args.numerics)  # every engine method runs in it; the peers as loaded (fp32)
     retrieval = replace(QUICK["retrieval"] if args.quick else RetrievalConfig(), signal=signal_from(args))
-    draft = DraftConfig(shape=args.draft_shape, k=args.k)
+    draft = DraftConfig(shape=args.draft_shape, k=default_chain(pair.device.type) if args.k is None else args.k)
     base = dict(max_new_tokens=args.max_new_tokens, eos_token_ids=eos, draft=draft, retrieval=retrieval)
     configs = {name: config and config.replace(attention=replace(config.attention, bf16_prefill=args.bf16_prefill,
                                                                  numerics=numerics))
@@ -200,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "across all of them (with --numerics fp32); auto or on compares the engine's methods with each "
                         "other and the peers with each other, as a bf16 numerics setting does")
     p.add_argument("--draft-shape", choices=("chain", "tree"), default=DraftConfig().shape)
-    p.add_argument("--k", type=int, default=DraftConfig().k, help="chain: draft tokens per step")
+    p.add_argument("--k", type=int, help="chain: draft tokens per step (None: the device's, 2 on CPU and 4 on CUDA)")
     add_lookup_arguments(p)
     add_signal_arguments(p)
     p.add_argument("--needles", type=int, default=50, help="needle questions (depths cycle, documents rotate)")
