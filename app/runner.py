@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable, Iterable, Iterator, Sequence
 
-from specextend.config import DraftConfig, GenerationConfig, LookupConfig, RetrievalConfig, preset
+from specextend.config import DraftConfig, GenerationConfig, LookupConfig, RetrievalConfig, default_chain, preset
 from specextend.events import Event, Finished, Prefilled, Prefilling, Started, Verified
 from specextend.tools.prompting import Prompt
 from visualizers.common import label
@@ -25,6 +25,16 @@ from visualizers.common import label
 from .backend import Click, Codec
 
 log = logging.getLogger(__name__)
+
+
+def serving_chain() -> int:
+    """The chain length k a run gets unless the user sets one (the page's knob, the API's default, the needle tab's):
+    config.default_chain for the device the app's models load on (load_pair's "auto": CUDA where there is one). Asked
+    when a Knobs is made, not on import, so it sees the device as load_pair then does (on a ZeroGPU Space, once
+    `zerogpu.adapt` has loaded `spaces`)."""
+    from specextend.models import choose_device  # transformers too: imported when first asked, as real_factory does
+
+    return default_chain(choose_device().type)
 
 
 @dataclass(frozen=True)
@@ -36,7 +46,7 @@ class Knobs:
     top_k: int = 16
     retrieve_every: int = 4
     shape: str = "chain"
-    k: int = 4
+    k: int = field(default_factory=serving_chain)  # the device's: 2 on CPU, 4 on CUDA
     max_depth: int = 5
     node_budget: int = 12
     temperature: float = 0.0

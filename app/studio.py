@@ -31,7 +31,7 @@ from . import documents
 from .backend import EngineFactory, HeadPictures, Loaded, PairCache
 from .documents import DocumentError
 from .panels import View, about_html, machine_load, main_view, needle_view, nothing_ran, status_html, status_text
-from .runner import Job, Knobs, Recent, RedrawMeter, build_config, replay, whole
+from .runner import Job, Knobs, Recent, RedrawMeter, build_config, replay, serving_chain, whole
 from .settings import Settings
 from .stepping import Stepping
 from .trace import TraceError, dumps, loads
@@ -207,11 +207,12 @@ class Studio(Stepping):
             method: str = "specextend", race: list[str] | None = None, chart_every: str | float = "0",
             max_new_tokens: float = Knobs.max_new_tokens, chunk_size: float = Knobs.chunk_size,
             top_k: float = Knobs.top_k, retrieve_every: float = Knobs.retrieve_every, shape: str = Knobs.shape,
-            k: float = Knobs.k, max_depth: float = Knobs.max_depth, node_budget: float = Knobs.node_budget,
+            k: float | None = None, max_depth: float = Knobs.max_depth, node_budget: float = Knobs.node_budget,
             temperature: float = Knobs.temperature, seed: float = Knobs.seed, lookup: bool = Knobs.lookup,
             signal: str = Knobs.signal, workload: str = "document") -> Iterator[tuple]:
         """The API's `/run`: its parameters are named as the page's controls are (the knobs in KNOB_NAMES' order,
-        then the workload: "document", a long input, or "long_output", a short prompt written on at length)."""
+        then the workload: "document", a long input, or "long_output", a short prompt written on at length). A chain
+        length k of None is the serving device's (runner.serving_chain), as the page's knob starts."""
         state.stop()
         try:
             text = documents.check_text(document, self.settings.max_document_chars)
@@ -222,8 +223,8 @@ class Studio(Stepping):
             if workload == "document":
                 documents.check_long_input(text)
             choice = self.settings.pair(pair) if pair else self.settings.default
-            knobs = Knobs(max_new_tokens, chunk_size, top_k, retrieve_every, shape, k, max_depth, node_budget,
-                          temperature, seed, lookup, signal)
+            knobs = Knobs(max_new_tokens, chunk_size, top_k, retrieve_every, shape, serving_chain() if k is None else k,
+                          max_depth, node_budget, temperature, seed, lookup, signal)
             build_config(method, knobs, (), self.settings.max_new_tokens, lookup=True)  # refuse nonsense before loading
         except ValueError as exc:
             yield self._refused(state, str(exc))
@@ -406,7 +407,7 @@ class Studio(Stepping):
             text = documents.check_text(documents.sample_text(haystack)[:chars] if haystack else "",
                                         self.settings.max_document_chars)
             planted = needle.generate(text, float(depth) / 100.0, seed=whole("seed", seed or 0))
-            knobs = Knobs(max_new_tokens=max_new_tokens, top_k=top_k, retrieve_every=1, k=4)
+            knobs = Knobs(max_new_tokens=max_new_tokens, top_k=top_k, retrieve_every=1)  # the device's chain
             build_config("specextend", knobs, (), self.settings.max_new_tokens)
         except ValueError as exc:
             yield self._idle(str(exc), 7)

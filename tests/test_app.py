@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -226,6 +227,39 @@ def test_knobs_build_the_method_presets():
         build_config("specextend", Knobs(k=2.5))
     with pytest.raises(ValueError, match="capped at 256"):
         build_config("specextend", Knobs(max_new_tokens=1000), max_new_tokens_cap=256)
+
+
+def test_the_chain_length_starts_at_the_serving_devices_default(monkeypatch):
+    """config.default_chain for the device the models load on: 4 with CUDA, 2 on a CPU, for the page's knob (and so
+    the named API's default), a click that leaves k out, and the needle tab's runs."""
+    import torch
+
+    from app.runner import serving_chain
+    from app.studio import SessionState, Studio
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert serving_chain() == Knobs().k == 4
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert serving_chain() == Knobs().k == 2
+    page = build_app(fake_factory(), Settings()).config["components"]
+    assert [c["props"]["value"] for c in page if c["props"].get("label") == "chain length k"] == [2]
+    chains: list[int] = []
+
+    def recording(choice, progress):
+        loaded = fake_factory(step_s=0.0)(choice, progress)
+
+        def generate(ids, config, *args, **kwargs):
+            chains.append(config.draft.k)
+            return loaded.generate(ids, config, *args, **kwargs)
+
+        return replace(loaded, generate=generate)
+
+    studio = Studio(recording, Settings())
+    assert "Done." in list(studio_run(studio, SessionState(), max_new_tokens=8))[-1][1]
+    assert "Done." in list(studio.needle(SessionState(), "hamlet_opening", 4000, 50, 0, 8, 8, BUNDLED))[-1][0]
+    assert chains and set(chains) == {2}, chains
+    assert "Done." in list(studio_run(studio, SessionState(), max_new_tokens=8, k=4))[-1][1]  # a chain typed in wins
+    assert chains[-1] == 4
 
 
 def test_settings_default_to_localhost_and_the_bundled_pairs_only():
