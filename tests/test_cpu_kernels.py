@@ -50,6 +50,19 @@ def test_the_kernel_agrees_with_fp32_attention(keys, rows, tail):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dim", [32, 96, 128, 256])
+def test_other_head_sizes_and_a_batch(dim):
+    """One library per head size (HEAD_DIM): each agrees with fp32 attention, two sequences of two KV heads at once."""
+    g = torch.Generator().manual_seed(dim)
+    k, v = (torch.randn(2, 2, 609, dim, generator=g).bfloat16()[:, :, :600] for _ in range(2))
+    q = (torch.randn(2, 2, 7, dim, generator=g) * dim**-0.5).bfloat16()
+    hidden = torch.rand(7, 3, generator=g) < 0.5
+    hidden[:, 0] = False
+    assert cpu_kernels.supports(q, k)
+    torch.testing.assert_close(cpu_kernels.bf16_attention(q, k, v, hidden), reference(q, k, v, hidden), atol=1e-2, rtol=1e-2)
+
+
+@needs_kernel
 @settings(max_examples=25, deadline=None)
 @given(prefix=st.integers(1, 600), chain=st.integers(1, 6), threads=st.sampled_from([1, 2]), seed=st.integers(0, 99))
 def test_a_row_gets_the_same_bits_alone_as_in_a_chain(prefix, chain, threads, seed):
