@@ -228,7 +228,7 @@ def bf16_cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     q_heads, kv_heads = query.shape[1], key.shape[1]
     q = fold_heads(query * scale, kv_heads).to(key.dtype)  # (B, H_kv, G*T_q, D)
     hidden = ~tree_mask.repeat(q_heads // kv_heads, 1)  # (G*T_q, tail)
-    if cpu_kernels.supports(q, key) and value.stride(-1) == 1:
+    if cpu_kernels.supports(q, key, value):
         return unfold_heads(cpu_kernels.bf16_attention(q, key, value, hidden), q_heads)
     start = key.shape[2] - tree_mask.shape[1]
     out = torch.empty(q.shape, dtype=value.dtype, device=q.device)

@@ -5,7 +5,7 @@ BF16. PyTorch's products over so few rows ran on one thread and well below the m
 for one token over 7,680 cached keys and 3 KV heads of 64); the kernel reads each key once for every query row, on all
 threads. It is built with the C compiler (`cc`, `-O3 -march=native -fopenmp`) into SPECEXTEND_CACHE/kernels, keyed by
 the source and this CPU, and shares PyTorch's OpenMP threads. Where it cannot be built or run (no compiler, another
-CPU, SPECEXTEND_CPU_KERNELS=off), `bf16_attention()` is None and callers keep their PyTorch path; `status()` says why.
+CPU, SPECEXTEND_CPU_KERNELS=off), `supports()` is False and callers keep their PyTorch path; `status()` says why.
 Knows tensors and the C calling convention; knows nothing of models, plans or numerics settings.
 """
 
@@ -75,7 +75,6 @@ def library(head_dim: int = 64) -> ctypes.CDLL | None:
                                       i64, i64, i64, i64]
     lib.se_bf16_attention.restype = ctypes.c_int
     lib.se_transpose_check.argtypes = [ptr, ptr]
-    lib.se_block.restype = ctypes.c_int
     return lib
 
 
@@ -84,11 +83,11 @@ def status(head_dim: int = 64) -> str:
     return "built" if library(head_dim) is not None else _WHY[-1]
 
 
-def supports(query: torch.Tensor, key: torch.Tensor) -> bool:
+def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether the kernel takes these tensors: bf16 on the CPU, head dim a multiple of 32 up to 256, rows contiguous."""
     d = key.shape[-1]
     return (key.device.type == "cpu" and key.dtype == torch.bfloat16 and d % 32 == 0 and d <= 256
-            and key.stride(-1) == 1 and query.shape[-1] == d and library(d) is not None)
+            and key.stride(-1) == 1 and value.stride(-1) == 1 and query.shape[-1] == d and library(d) is not None)
 
 
 def bf16_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

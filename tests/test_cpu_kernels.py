@@ -58,7 +58,7 @@ def test_other_head_sizes_and_a_batch(dim):
     q = (torch.randn(2, 2, 7, dim, generator=g) * dim**-0.5).bfloat16()
     hidden = torch.rand(7, 3, generator=g) < 0.5
     hidden[:, 0] = False
-    assert cpu_kernels.supports(q, k)
+    assert cpu_kernels.supports(q, k, v)
     torch.testing.assert_close(cpu_kernels.bf16_attention(q, k, v, hidden), reference(q, k, v, hidden), atol=1e-2, rtol=1e-2)
 
 
@@ -117,7 +117,7 @@ def test_without_the_kernel_pytorch_attends(monkeypatch):
     try:
         assert cpu_kernels.status() == "turned off (SPECEXTEND_CPU_KERNELS=off)"
         k, v = cache(300)
-        assert not cpu_kernels.supports(k, k)
+        assert not cpu_kernels.supports(k, k, v)
         q = torch.randn(1, 9, 2, 64)
         mask = torch.tensor([[True, False], [True, True]])
         out = bf16_cache_attention(q, k, v, mask, 0.125)

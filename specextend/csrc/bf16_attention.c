@@ -93,8 +93,6 @@ static void *scratch(void **buf, size_t *cap, size_t size) {
     return *buf;
 }
 
-int se_block(void) { return BLOCK; }
-
 /* q: (B, H, R, D) bf16; k, v: (B, H, T, D) bf16 with strides in elements (rows contiguous); hidden: (R, tail) bytes,
    nonzero where row r does not see key T - tail + j; out: (B, H, R, D) fp32, contiguous; D = HEAD_DIM.
    Returns 0, or -1 when scratch memory could not be had. */
