@@ -5,9 +5,11 @@ Run from the repository root: `python -m scripts.head_race [--head DIR] [--lengt
 
 Methods, alternated on every input after a warm-up (greedy, in one numerics setting (`--numerics`, default the CPU
 default, numerics.choose), one target shared by both drafts, the target's
-prefill read once per input and shared): the target alone; each draft (the distilled draft model, the head) under
+prefill read once per input and shared): the target alone; each draft (the distilled draft model, the head, and
+any `--other-heads`) under
 the full cache (standard speculative decoding), StreamingLLM's and CMR's (SpecExtend); and SpecExtend with lookup
-merged, with each draft (the app's default lookup settings). Every output is checked against the target alone's.
+merged, with each draft (the app's default lookup settings); each head's SpecExtend again with the `--chains` and
+`--trees` asked. Every output is checked against the target alone's.
 Prints one line per run (decode tokens/s, tokens per step, tokens by source) and, per length, each method's tokens
 per step and decode speed over the target alone's: the median over documents and each document's ratio.
 """
@@ -36,20 +38,30 @@ from specextend.tools.cli import add_numerics_argument
 from specextend.tools.prompting import DEFAULT_INSTRUCTION, stop_ids
 
 
-def methods(base: dict, setting: str, chains: tuple[int, ...] = ()) -> dict[str, tuple[str, object]]:
-    """name -> (which draft, config), every config in numerics `setting`; `chains`: the head's SpecExtend runs again
-    with each of these chain lengths (named "... k=N"), beside the default's."""
+def tree_shape(text: str) -> DraftConfig:
+    """`DEPTH/BUDGET/BRANCH/CHILDREN` -> an EAGLE-2 dynamic tree (greedy: grown past its budget, its most probable
+    nodes kept)."""
+    depth, budget, branch, children = (int(x) for x in text.split("/"))
+    return DraftConfig(shape="tree", max_depth=depth, node_budget=budget, branch=branch, children=children)
+
+
+def methods(base: dict, setting: str, chains: tuple[int, ...] = (), trees: tuple[str, ...] = (),
+            heads: tuple[str, ...] = ("head",)) -> dict[str, tuple[str, object]]:
+    """name -> (which draft, config), every config in numerics `setting`, for the draft model and each of `heads`;
+    `chains`: each head's SpecExtend runs again with each of these chain lengths (named "... k=N"), and `trees` with
+    each of these trees (`tree_shape`, named "... tree=D/N/B/C"), beside the default's."""
     lookup = LookupConfig(enabled=True)
     out = {"target alone": ("model", preset("autoregressive", **base))}
-    for draft in ("model", "head"):
+    shapes = {f"k={k}": DraftConfig(shape="chain", k=k) for k in chains} | {f"tree={t}": tree_shape(t) for t in trees}
+    for draft in ("model", *heads):
         out[f"{draft}: speculative (full cache)"] = (draft, preset("speculative", **base))
         out[f"{draft}: streaming"] = (draft, preset("streaming", **base))
         out[f"{draft}: specextend (CMR)"] = (draft, preset("specextend", **base))
         out[f"{draft}: specextend + lookup"] = (draft, preset("specextend", lookup=lookup, **base))
-    for k in chains:
-        shape = DraftConfig(shape="chain", k=k)
-        out[f"head: specextend (CMR) k={k}"] = ("head", preset("specextend", draft=shape, **base))
-        out[f"head: specextend + lookup k={k}"] = ("head", preset("specextend", draft=shape, lookup=lookup, **base))
+        for label, shape in shapes.items() if draft != "model" else ():
+            out[f"{draft}: specextend (CMR) {label}"] = (draft, preset("specextend", draft=shape, **base))
+            out[f"{draft}: specextend + lookup {label}"] = (draft, preset("specextend", draft=shape, lookup=lookup,
+                                                                             **base))
     return {name: (draft, config.replace(attention=replace(config.attention, numerics=setting)))
             for name, (draft, config) in out.items()}
 
@@ -57,6 +69,8 @@ def methods(base: dict, setting: str, chains: tuple[int, ...] = ()) -> dict[str,
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--head", type=Path, default=None, help="the EAGLE head folder (default: the bundled head)")
+    p.add_argument("--other-heads", type=Path, nargs="*", default=(),
+                   help="more head folders raced beside it, each named by its folder (\"NAME: specextend (CMR)\")")
     p.add_argument("--lengths", default="7168,1024")
     p.add_argument("--docs", type=int, default=3, help="the benchmark's longest eval documents")
     p.add_argument("--files", nargs="*", default=(), help="UTF-8 text files instead of the bundled documents")
@@ -65,19 +79,22 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, help="write every run's figures here as JSON lines")
     add_numerics_argument(p)
     p.add_argument("--chains", default="", help="comma list of chain lengths the head's SpecExtend also runs with")
+    p.add_argument("--trees", default="", help="comma list of DEPTH/BUDGET/BRANCH/CHILDREN dynamic trees, as --chains")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     target_dir = bundled.target_dir()
     tokenizer = read_tokenizer(target_dir)
     model_pair = load_pair(target_dir, bundled.draft_dir(), "cpu", "float32", tokenizer)
     head = args.head or bundled.draft_dir(bundled.HEAD_NAME)
-    pairs = {"model": model_pair,
-             "head": make_pair(model_pair.target, load_head(head, model_pair.target, model_pair.device, model_pair.dtype),
-                               calibrated=model_pair.calibrated)}  # the target's calibrated retrieval signal
+    heads = {"head": head} | {folder.name: folder for folder in args.other_heads}
+    pairs = {"model": model_pair} | {  # each head with the target's calibrated retrieval signal
+        name: make_pair(model_pair.target, load_head(folder, model_pair.target, model_pair.device, model_pair.dtype),
+                        calibrated=model_pair.calibrated) for name, folder in heads.items()}
     base = dict(max_new_tokens=args.max_new_tokens, eos_token_ids=stop_ids(tokenizer, model_pair.target))
     setting = numerics.choose(model_pair.target, args.numerics)
     print(f"numerics: {setting}", flush=True)
-    configs = methods(base, setting, tuple(int(k) for k in args.chains.split(",") if k.strip()))
+    configs = methods(base, setting, tuple(int(k) for k in args.chains.split(",") if k.strip()),
+                      tuple(t.strip() for t in args.trees.split(",") if t.strip()), tuple(heads))
     if args.only:
         configs = {k: v for k, v in configs.items() if k in args.only.split(",") or k == "target alone"}
     lengths = [int(x) for x in args.lengths.split(",")]
