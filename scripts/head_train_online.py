@@ -141,26 +141,34 @@ def labelled(reader: Reader, seqs: list[list[int]], pad: int, device) -> dict:
 def evaluate(head, batches: list[dict], to_draft: torch.Tensor, unroll: int) -> dict:
     """On the held-out batches: each unrolled step's agreement with the target's argmax (tokens teacher-forced), and
     `chain`: the mean number of leading steps that agree, where all are defined (a chain's accepted tokens, as if
-    the tokens read were the target's own)."""
+    the tokens read were the target's own); where a batch marks its chat rows (`chat`, (B,) bool), the agreement
+    again over the chats (the target's own answers to requests) and over the plain windows apart."""
     was = head.training
     head.eval()
-    hits, counts, chain, chained = [0.0] * unroll, [0] * unroll, 0.0, 0
+    kinds = ("", "_chats", "_plain")
+    hits, counts = {k: [0.0] * unroll for k in kinds}, {k: [0] * unroll for k in kinds}
+    chain, chained = 0.0, 0
     for batch in batches:
         steps = list(unrolled_steps(head, batch, to_draft, unroll))
         last = steps[-1][2].shape[1]
         lead = torch.ones_like(steps[-1][2], dtype=torch.float)
         run = torch.zeros_like(lead)
+        chat = batch.get("chat")
         for j, (_, hit, valid) in enumerate(steps):
-            hits[j] += float(hit[valid].sum())
-            counts[j] += int(valid.sum())
+            rows = {"": valid} if chat is None else {"": valid, "_chats": valid & chat[:, None],
+                                                     "_plain": valid & ~chat[:, None]}
+            for k, where in rows.items():
+                hits[k][j] += float(hit[where].sum())
+                counts[k][j] += int(where.sum())
             lead = lead * hit[:, :last]
             run += lead
         every = steps[-1][2]
         chain += float(run[every].sum())
         chained += int(every.sum())
     head.train(was)
-    return {"held_agree": [round(h / max(c, 1), 4) for h, c in zip(hits, counts)],
-            "held_chain": round(chain / max(chained, 1), 4), "held_positions": counts[0]}
+    agree = {f"held_agree{k}": [round(h / max(c, 1), 4) for h, c in zip(hits[k], counts[k])]
+             for k in kinds if counts[k][0]}
+    return {**agree, "held_chain": round(chain / max(chained, 1), 4), "held_positions": counts[""][0]}
 
 
 def save_checkpoint(path: Path, state: dict) -> None:
@@ -194,7 +202,7 @@ class Clock:
 
 def prepare_data(args, target, prompter, pad: int, stop: tuple[int, ...], clock: Clock, say):
     """Phase 1: the held-out requests' answers, then the training requests' within their share of the budget.
-    Returns (corpus, training chats, held-out sequences)."""
+    Returns (corpus, training chats, held-out sequences, how many of them (the first) are chats)."""
     corpus = head_data.load_corpus(args.work)
     gen_model = in_dtype(target, dtype_of(args.gen_dtype, torch.device(args.device),
                                           lambda: models.prefill_dtype(target, "auto")))
@@ -204,9 +212,9 @@ def prepare_data(args, target, prompter, pad: int, stop: tuple[int, ...], clock:
                               time_left=clock.left, **answering)
     head_data.answer_requests(gen_model, corpus, prompter, args.work / "answers", count=args.answers, held=False,
                               time_left=lambda: min(clock.before(args.answer_share), clock.left()), **answering)
-    held_seqs = head_data.held_out(corpus, head_data.read_chats(args.work / "held")[:args.held_chats], args.window,
-                                   args.held_windows)
-    return corpus, head_data.read_chats(args.work / "answers"), held_seqs
+    held_chats = head_data.read_chats(args.work / "held")[:args.held_chats]
+    held_seqs = head_data.held_out(corpus, held_chats, args.window, args.held_windows)
+    return corpus, head_data.read_chats(args.work / "answers"), held_seqs, len(held_chats)
 
 
 def start_head(args, target, reader: Reader, stream: head_data.Stream, ckpt: dict | None, pad: int,
@@ -247,7 +255,7 @@ def run(args, target, prompter, pad: int, stop: tuple[int, ...], say=print, cloc
     for p in target.parameters():
         p.requires_grad_(False)
     torch.manual_seed(args.seed)  # a new head's initial weights
-    corpus, chats, held = prepare_data(args, target, prompter, pad, stop, clock, say)
+    corpus, chats, held, held_chats = prepare_data(args, target, prompter, pad, stop, clock, say)
     stream = head_data.Stream(corpus, chats, args.window, args.chat_share, args.seed)
     read_dtype = dtype_of(args.read_dtype, device, lambda: models.prefill_dtype(target, "auto"))
     reader = Reader(target, read_dtype, args.topk)
@@ -263,7 +271,9 @@ def run(args, target, prompter, pad: int, stop: tuple[int, ...], say=print, cloc
         state = {**ckpt["state"], "pos": Position(**ckpt["state"]["pos"])}
         torch.set_rng_state(ckpt["rng"]["torch"])
         random.setstate(ckpt["rng"]["python"])
-    held_batches = [labelled(reader, held[i:i + args.batch], pad, device) for i in range(0, len(held), args.batch)]
+    held_batches = [labelled(reader, held[i:i + args.batch], pad, device) | {  # the held-out chats come first
+        "chat": torch.arange(i, min(i + args.batch, len(held)), device=device) < held_chats}
+        for i in range(0, len(held), args.batch)]
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     step_dtype = dtype_of(args.step_dtype, device, lambda: models.prefill_dtype(target, "auto"))
     step_cast = torch.autocast(device.type, dtype=step_dtype, enabled=step_dtype != torch.float32)

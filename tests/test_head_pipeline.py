@@ -122,6 +122,10 @@ def test_generate_train_checkpoint_resume_and_evaluate(tmp_path, target, corpus_
     assert record["data"]["answers"]["requests"] == 6 and record["data"]["held"]["requests"] == 3
     assert record["data"]["position"]["chat"] == 6 and record["unroll"] == 5 and record["draft_vocab"] == 40
     assert len(whole[-1]["held_agree"]) == 5 and 0.0 <= whole[-1]["held_chain"] <= 5.0
+    last = whole[-1]  # the held-out chats and plain windows apart: the whole set's agreement lies between them
+    assert len(last["held_agree_chats"]) == len(last["held_agree_plain"]) == 5
+    assert all(min(c, w) - 1e-4 <= a <= max(c, w) + 1e-4
+               for a, c, w in zip(last["held_agree"], last["held_agree_chats"], last["held_agree_plain"]))
     assert whole[-1]["loss"] < whole[1]["loss"]  # it learns
     head = load_head(straight / "head", target, torch.device("cpu"), torch.float32)  # the bundled format, loadable
     assert len(head.d2t) == 40 and int(head.t2d.sum()) == 40
