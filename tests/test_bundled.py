@@ -133,7 +133,7 @@ def test_pins_are_sha256():
 def test_sha256_helper(tmp_path):
     f = tmp_path / "x.bin"
     f.write_bytes(b"specextend" * 1000)
-    assert bundled._sha256(f) == hashlib.sha256(b"specextend" * 1000).hexdigest()
+    assert bundled.file_sha256(f) == hashlib.sha256(b"specextend" * 1000).hexdigest()
 
 
 def test_cache_dir_follows_environment(tmp_path, monkeypatch):

