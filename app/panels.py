@@ -118,6 +118,14 @@ def nothing_ran() -> View:
                 acceptance=empty, throughput=empty, readout="")
 
 
+def needle_nothing_ran(info: str = "") -> list:
+    """The needle tab's panels after a click that ran nothing (refused): the planted fact where there was one (`info`),
+    then the grid, the answers, the layer x head picture and the three chunk strips, each saying so, none showing an
+    earlier click's runs."""
+    empty = message_spec("nothing ran: the status says why")
+    return [info, empty, f"<div class='se-muted'>{NOTHING_RAN}</div>", empty, empty, empty, empty]
+
+
 def needle_view(runs: Mapping[str, Sequence[Event]], span: tuple[int, int], prompt_len: int, expected: str,
                 text: Decode, done: bool = False, stopped: bool = False) -> tuple[dict[str, Any], str]:
     """The teaching tab: the needle-held grid and each run's answer (`text` decodes it for reading); once the click is

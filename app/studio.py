@@ -30,7 +30,8 @@ from visualizers.common import ending, label
 from . import documents
 from .backend import EngineFactory, HeadPictures, Loaded, PairCache
 from .documents import DocumentError
-from .panels import View, about_html, machine_load, main_view, needle_view, nothing_ran, status_html, status_text
+from .panels import (View, about_html, machine_load, main_view, needle_nothing_ran, needle_view, nothing_ran, status_html,
+                     status_text)
 from .runner import Job, Knobs, Recent, RedrawMeter, build_config, replay, serving_chain, whole
 from .settings import Settings
 from .stepping import Stepping
@@ -302,8 +303,11 @@ class Studio(Stepping):
         state.refusal, state.job = "", None  # the refused click left nothing to keep
         return said([READY])
 
-    def _idle(self, error: str, outputs: int = 8) -> tuple:
-        return (*said([], error), *[KEEP] * outputs)
+    @staticmethod
+    def _needle_refused(state: SessionState, error: str) -> tuple:
+        """A needle click refused before its job began: the status says why and every panel that nothing ran."""
+        state.job = None
+        return (*said([], error), *needle_nothing_ran())
 
     def _refused(self, state: SessionState, error: str) -> tuple:
         """A main-tab click refused before its job began: the status says why, and every panel that showed an earlier
@@ -410,10 +414,10 @@ class Studio(Stepping):
             knobs = Knobs(max_new_tokens=max_new_tokens, top_k=top_k, retrieve_every=1)  # the device's chain
             build_config("specextend", knobs, (), self.settings.max_new_tokens)
         except ValueError as exc:
-            yield self._idle(str(exc), 7)
+            yield self._needle_refused(state, str(exc))
             return
         except KeyError as exc:  # a haystack that is not a bundled sample
-            yield self._idle(f"{exc.args[0]}: pick a haystack from the list", 7)
+            yield self._needle_refused(state, f"{exc.args[0]}: pick a haystack from the list")
             return
         task = f"{planted.question} Answer with the answer only."
         picture: dict[str, Any] = {}
@@ -439,6 +443,8 @@ class Studio(Stepping):
         def draw(job: Job, runs, decode, charts: bool) -> list:
             prompt, done = job.prompt, job.done.is_set()
             stopped = done and job.stop_event.is_set()
+            if done and not any(runs.values()):  # refused (or stopped) before a run began: no earlier click's panels
+                return needle_nothing_ran(info)
             if prompt is None or "needle" not in prompt.marks:
                 return [info, needle_spec({}, (0, 0), 0, stopped), "", None, None, None, None]  # None: left as it is
             span = prompt.marks["needle"]

@@ -162,3 +162,20 @@ def test_the_needle_tab_has_its_own_pair_control():
     needle = next(d for d in config["dependencies"] if d.get("api_name") == "needle")
     inputs = [ids[i] for i in needle["inputs"]]
     assert "needle-pair" in inputs and "pair" not in inputs
+
+
+@pytest.mark.parametrize("refuse", ["settings", "input"])
+def test_a_refused_needle_click_leaves_no_earlier_click_on_the_page(refuse):
+    """Nonsense settings (refused before a job) or a haystack longer than the pair allows (refused by the job):
+    the status says why, and the grid, the answers, the picture and the strips say nothing ran, not the last click's."""
+    studio = Studio(fake_factory(max_positions=600), Settings())
+    state = SessionState()
+    earlier = list(studio.needle(state, "hamlet_opening", 1500, 50, 0, 8, 24, BUNDLED))[-1]
+    assert "Expected answer" in answers_of(earlier)
+    depth, chars = (150, 1500) if refuse == "settings" else (50, 20000)
+    last = list(studio.needle(state, "hamlet_opening", chars, depth, 0, 8, 24, BUNDLED))[-1]
+    status = html.unescape(last[0])
+    assert ("needle depth" in status) if refuse == "settings" else ("longer" in status or "token" in status), status
+    said = repr(last)
+    assert "Expected answer" not in said and said.count("nothing ran: the status says why") == 5, said[:2000]
+    assert "Nothing was generated" in said
