@@ -56,11 +56,13 @@ class Stepping:
         job = self._finished(state)
         if job is None:
             return Update(visible=False), KEEP, KEEP, "", Update(visible=False)
-        runs = job.runs
+        runs = {m: events for m, events in job.runs.items() if last_step(events)}  # a run stopped before its first
+        if not runs:  # step has nothing to step through; where none has, the control stays hidden, the trace not
+            return Update(visible=False), KEEP, KEEP, "", Update(visible=True)
         primary = job.methods[0] if job.methods and job.methods[0] in runs else next(iter(runs))
         last = last_step(runs[primary])
         return (Update(visible=True), Update(choices=tuple((label(m), m) for m in runs), value=primary),
-                Update(minimum=0, maximum=max(last, 1), value=last), step_html(runs[primary], last, job.codec.text),
+                Update(minimum=0, maximum=last, value=last), step_html(runs[primary], last, job.codec.text),
                 Update(visible=True))
 
     def at_step(self, state: SessionState, method: str, step: float) -> tuple:

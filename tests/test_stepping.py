@@ -162,3 +162,28 @@ def test_a_step_typed_between_steps_or_out_of_range_is_rounded_into_the_run_and_
     assert follow(state, "specextend", 6)[0] is KEEP and "Step 6 of" in follow(state, "specextend", 6)[-1]
     assert all(a is KEEP for a in follow(state, "specextend", float("nan")))  # no number: nothing moves, no crash
     assert studio.jump(state, "specextend", "12.6:1764000000")[0] == 13
+
+
+def test_a_run_stopped_before_its_first_step_is_not_offered_to_step_through():
+    from pathlib import Path
+
+    from app.settings import Settings
+    from app.studio import SessionState, Studio
+    from fixtures.fake_engine import fake_factory
+
+    fixture = Path(__file__).parent / "fixtures" / "smollm2_hamlet.trace.json"
+    studio, state = Studio(fake_factory(), Settings()), SessionState()
+    list(studio.replay(state, str(fixture), "instant"))
+    runs = dict(state.job.runs)
+    first, *others = runs
+
+    def before_first_step(events):  # stopped after its prefill: no draft, no verification
+        return events[:next(i for i, e in enumerate(events) if isinstance(e, (Drafted, Verified)))]
+
+    state.job.runs = {**runs, first: before_first_step(runs[first])}
+    shown, run, slider, _, download = studio.stepper(state)
+    assert shown.visible and first not in [m for _, m in run.choices] and run.value == others[0]
+    assert slider.maximum == last_step(runs[others[0]]) > 0
+    state.job.runs = {m: before_first_step(events) for m, events in runs.items()}
+    shown, run, slider, words, download = studio.stepper(state)
+    assert shown.visible is False and words == "" and download.visible  # no 0-1 control; the trace still downloads
