@@ -151,6 +151,23 @@ def about_html(about: str) -> str:
     return f"<div class='se-about'>{html.escape(about)}</div>" if about else ""
 
 
+def recorded_settings(config: Mapping[str, Any]) -> str:
+    """A recorded run's settings in the page's words, from its Started config (a replay says what the trace ran with,
+    since the page's own knobs are not what it ran with)."""
+    draft, retrieval = config.get("draft", {}), config.get("retrieval", {})
+    shape = (f"a tree of depth {draft.get('max_depth')} and {draft.get('node_budget')} nodes"
+             if draft.get("shape") == "tree" else f"a chain of {draft.get('k')}")
+    words = [f"{config.get('max_new_tokens')} new tokens", f"the draft proposing {shape}",
+             f"chunks of {retrieval.get('chunk_size')}, top-k {retrieval.get('top_k')}, retrieving every "
+             f"{retrieval.get('retrieve_every')} steps, the {retrieval.get('signal', 'default')} signal"]
+    temperature = config.get("temperature") or 0.0
+    words.append(f"sampling at temperature {temperature:g} (seed {config.get('seed')})" if temperature else "greedy")
+    lookup = (config.get("lookup") or {}).get("enabled")
+    words.append("lookup on" if lookup else "lookup off")
+    words.append(f"{config.get('attention', {}).get('numerics', 'fp32')} numerics")
+    return ", ".join(words)
+
+
 def status_text(lines: Sequence[str], error: str = "") -> str:
     """The status as plain text, for API callers: the error first if any, then the lines, one a line."""
     return "\n".join(x for x in (error, *lines) if x)

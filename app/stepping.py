@@ -57,12 +57,14 @@ class Stepping:
         if job is None:
             return Update(visible=False), KEEP, KEEP, "", Update(visible=False)
         runs = {m: events for m, events in job.runs.items() if last_step(events)}  # a run stopped before its first
-        if not runs:  # step has nothing to step through; where none has, the control stays hidden, the trace not
-            return Update(visible=False), KEEP, KEEP, "", Update(visible=True)
+        if not runs:  # step has nothing to step through: where none has, the control says so, with no slider
+            primary = job.methods[0] if job.methods and job.methods[0] in job.runs else next(iter(job.runs))
+            return (Update(visible=True), Update(choices=tuple((label(m), m) for m in job.runs), value=primary),
+                    Update(visible=False), step_html(job.runs[primary], 0, job.codec.text), Update(visible=True))
         primary = job.methods[0] if job.methods and job.methods[0] in runs else next(iter(runs))
         last = last_step(runs[primary])
         return (Update(visible=True), Update(choices=tuple((label(m), m) for m in runs), value=primary),
-                Update(minimum=0, maximum=last, value=last), step_html(runs[primary], last, job.codec.text),
+                Update(visible=True, minimum=0, maximum=last, value=last), step_html(runs[primary], last, job.codec.text),
                 Update(visible=True))
 
     def at_step(self, state: SessionState, method: str, step: float) -> tuple:

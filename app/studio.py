@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator
 import orjson
 
 from specextend.config import GenerationConfig, preset
+from specextend.events import Started
 from specextend.tools.prompting import LONG_OUTPUT_INSTRUCTION, LONG_OUTPUT_TOKENS, Prompt
 from visualizers import heads_spec, needle_spec, retrieval_spec, signal_html
 from visualizers.acceptance import forget_texts
@@ -30,8 +31,8 @@ from visualizers.common import ending, label
 from . import documents
 from .backend import EngineFactory, HeadPictures, Loaded, PairCache
 from .documents import DocumentError
-from .panels import (View, about_html, machine_load, main_view, needle_nothing_ran, needle_view, nothing_ran, status_html,
-                     status_text)
+from .panels import (View, about_html, machine_load, main_view, needle_nothing_ran, needle_view, nothing_ran,
+                     recorded_settings, status_html, status_text)
 from .runner import Job, Knobs, Recent, RedrawMeter, build_config, replay, serving_chain, whole
 from .settings import Settings
 from .stepping import Stepping
@@ -280,8 +281,11 @@ class Studio(Stepping):
             return codec, Prompt(prompt_ids, (0, len(prompt_ids))), float("inf"), replay(runs, pace_factor)
 
         when = f"recorded on {meta['recorded']}" if meta.get("recorded") else "recorded on a date the file does not say"
+        started = next((e for e in runs[primary] if isinstance(e, Started)), None)
         about = (f"Replay of a trace {when}" + (f", {meta['pair']}" if meta.get("pair") else "")
-                 + ": no model runs; the panels show the recorded runs.")
+                 + ": no model runs; the panels show the recorded runs"
+                 + (f", which ran with {recorded_settings(started.config)} (the knobs on the left are this page's, "
+                    "not the trace's)." if started is not None else "."))
         state.refusal, state.job = "", Job(list(runs), lambda m, c: preset(m), prepare, about=about).start()
         yield from self._stream(state.job, self._main_draw(primary, lambda: recorded), {**meta, "replayed": True},
                                 chart_every)

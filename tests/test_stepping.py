@@ -184,6 +184,25 @@ def test_a_run_stopped_before_its_first_step_is_not_offered_to_step_through():
     shown, run, slider, _, download = studio.stepper(state)
     assert shown.visible and first not in [m for _, m in run.choices] and run.value == others[0]
     assert slider.maximum == last_step(runs[others[0]]) > 0
+    assert slider.visible
     state.job.runs = {m: before_first_step(events) for m, events in runs.items()}
     shown, run, slider, words, download = studio.stepper(state)
-    assert shown.visible is False and words == "" and download.visible  # no 0-1 control; the trace still downloads
+    assert shown.visible and slider.visible is False and download.visible  # no 0-1 slider; the trace downloads
+    assert "the target read the prompt" in words  # what there is: the prefill
+
+
+def test_a_replay_says_what_its_trace_ran_with_since_the_knobs_on_the_left_are_the_pages():
+    from pathlib import Path
+
+    from app.settings import Settings
+    from app.studio import SessionState, Studio
+    from fixtures.fake_engine import fake_factory
+    from specextend.events import Started
+
+    fixture = Path(__file__).parent / "fixtures" / "smollm2_hamlet.trace.json"
+    studio, state = Studio(fake_factory(), Settings()), SessionState()
+    last = list(studio.replay(state, str(fixture), "instant"))[-1]
+    config = next(e for e in state.job.runs["specextend"] if isinstance(e, Started)).config
+    about = html.unescape(next(v for v in last if isinstance(v, str) and "se-about" in v))
+    assert f"{config['max_new_tokens']} new tokens" in about and f"a chain of {config['draft']['k']}" in about
+    assert f"top-k {config['retrieval']['top_k']}" in about and "not the trace's" in about
