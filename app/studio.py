@@ -311,7 +311,7 @@ class Studio(Stepping):
     def _needle_refused(state: SessionState, error: str) -> tuple:
         """A needle click refused before its job began: the status says why and every panel that nothing ran."""
         state.job = None
-        return (*said([], error), *needle_nothing_ran())
+        return (*said([], error), *(figure(v) if isinstance(v, dict) else v for v in needle_nothing_ran()))
 
     def _refused(self, state: SessionState, error: str) -> tuple:
         """A main-tab click refused before its job began: the status says why, and every panel that showed an earlier

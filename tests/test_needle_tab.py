@@ -179,3 +179,4 @@ def test_a_refused_needle_click_leaves_no_earlier_click_on_the_page(refuse):
     said = repr(last)
     assert "Expected answer" not in said and said.count("nothing ran: the status says why") == 5, said[:2000]
     assert "Nothing was generated" in said
+    assert not any(isinstance(v, dict) for v in last)  # figures go out serialised, as every other answer's
