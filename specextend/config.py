@@ -333,6 +333,11 @@ class GenerationConfig:
             raise ValueError("lookup drafting cannot be switched on for the target alone (use method 'lookup')")
         if self.lookup.enabled is False and self.method == "lookup":
             raise ValueError("method 'lookup' is lookup drafting: it cannot be switched off")
+        if self.attention.numerics != "fp32" and self.branching:  # measured: greedy output left the target's
+            raise ValueError(f"a draft tree cannot be verified exactly in {self.attention.numerics} numerics: its nodes "
+                             "sit in other cache slots than the tokens it commits, attention's sums depend on the slot, "
+                             "and bf16 rounding turns that into other tokens; draft a chain (one lookup branch, lookup "
+                             "only on a draft miss), or use numerics fp32")
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
 
     @property
@@ -347,6 +352,13 @@ class GenerationConfig:
     @property
     def uses_lookup(self) -> bool:
         return self.method == "lookup" or bool(self.lookup.enabled)
+
+    @property
+    def branching(self) -> bool:
+        """Whether a step's proposals can branch (siblings in the verified tree): a draft tree, more than one lookup
+        branch, or lookup's branch beside the draft's (`with_draft="always"`)."""
+        lookup = self.uses_lookup and (self.lookup.branches > 1 or (self.uses_draft and self.lookup.with_draft == "always"))
+        return (self.uses_draft and self.draft.shape == "tree") or lookup
 
     @property
     def tree_budget(self) -> int:

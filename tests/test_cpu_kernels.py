@@ -96,8 +96,8 @@ def test_every_method_equals_the_target_alone_with_the_kernel(monkeypatch):
     prompt = torch.randint(0, VOCAB, (300,), generator=torch.Generator().manual_seed(5)).tolist()
     retrieval = RetrievalConfig(chunk_size=16, top_k=3, retrieve_every=2, prefill_window=32)
 
-    def greedy(method: str, shape: str = "chain") -> list[int]:
-        config = preset(method, max_new_tokens=16, retrieval=retrieval, draft=DraftConfig(shape=shape),
+    def greedy(method: str) -> list[int]:  # chains: bf16-kv refuses a tree (test_numerics)
+        config = preset(method, max_new_tokens=16, retrieval=retrieval, draft=DraftConfig(shape="chain", k=3),
                         attention=AttentionConfig(numerics="bf16-kv"))
         return list(list(generate(pair, prompt, config))[-1].token_ids)
 
@@ -105,8 +105,7 @@ def test_every_method_equals_the_target_alone_with_the_kernel(monkeypatch):
         alone = greedy("autoregressive")
         assert calls and len(alone) == 16
         for method in ("speculative", "specextend", "lookup"):
-            for shape in ("chain", "tree"):
-                assert greedy(method, shape) == alone, (method, shape)
+            assert greedy(method) == alone, method
     finally:
         numerics.apply(pair.target, "fp32")
 
