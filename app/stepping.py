@@ -56,16 +56,14 @@ class Stepping:
         job = self._finished(state)
         if job is None:
             return Update(visible=False), KEEP, KEEP, "", Update(visible=False)
-        runs = {m: events for m, events in job.runs.items() if last_step(events)}  # a run stopped before its first
-        if not runs:  # step has nothing to step through: where none has, the control says so, with no slider
-            primary = job.methods[0] if job.methods and job.methods[0] in job.runs else next(iter(job.runs))
-            return (Update(visible=True), Update(choices=tuple((label(m), m) for m in job.runs), value=primary),
-                    Update(visible=False), step_html(job.runs[primary], 0, job.codec.text), Update(visible=True))
+        # a run stopped before its first step has nothing to step through; where none has one, the control says so
+        stepped = {m: events for m, events in job.runs.items() if last_step(events)}
+        runs = stepped or job.runs
         primary = job.methods[0] if job.methods and job.methods[0] in runs else next(iter(runs))
         last = last_step(runs[primary])
-        return (Update(visible=True), Update(choices=tuple((label(m), m) for m in runs), value=primary),
-                Update(visible=True, minimum=0, maximum=last, value=last), step_html(runs[primary], last, job.codec.text),
-                Update(visible=True))
+        slider = Update(visible=True, minimum=0, maximum=last, value=last) if stepped else Update(visible=False)
+        return (Update(visible=True), Update(choices=tuple((label(m), m) for m in runs), value=primary), slider,
+                step_html(runs[primary], last, job.codec.text), Update(visible=True))
 
     def at_step(self, state: SessionState, method: str, step: float) -> tuple:
         """Every panel as of `step` of the run `method` (rounded, and kept within the run), and that step in words

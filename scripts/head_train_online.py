@@ -277,6 +277,7 @@ def run(args, target, prompter, pad: int, stop: tuple[int, ...], say=print, cloc
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     step_dtype = dtype_of(args.step_dtype, device, lambda: models.prefill_dtype(target, "auto"))
     step_cast = torch.autocast(device.type, dtype=step_dtype, enabled=step_dtype != torch.float32)
+    dtypes = {"read_dtype": str(read_dtype).replace("torch.", ""), "step_dtype": str(step_dtype).replace("torch.", "")}
     began, minutes0 = time.time(), state["minutes"]
 
     def distinct(pos: Position) -> int:
@@ -296,8 +297,7 @@ def run(args, target, prompter, pad: int, stop: tuple[int, ...], say=print, cloc
                "minutes": round(minutes0 + (time.time() - began) / 60, 2), "lr": learning_rate(args, state["tokens"]),
                "loss": round(sum(losses) / len(losses), 4) if losses else None,
                "train_agree": [round(sum(a[j] for a in agrees) / len(agrees), 4) for j in range(args.unroll)]
-               if agrees else None, **got, "device": device.type, "read_dtype": str(read_dtype).replace("torch.", ""),
-               "step_dtype": str(step_dtype).replace("torch.", "")}
+               if agrees else None, **got, "device": device.type, **dtypes}
         with curve_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         say(json.dumps(row))
@@ -337,9 +337,7 @@ def run(args, target, prompter, pad: int, stop: tuple[int, ...], say=print, cloc
                                                  "distinct_tokens": distinct(state["pos"])},
               "steps": state["step"], "tokens_seen": state["tokens"], "minutes": round(state["minutes"], 2),
               "unroll": args.unroll, "topk": args.topk, "draft_vocab": len(vocab_ids), "streams": list(head.streams),
-              "read_dtype": str(read_dtype).replace("torch.", ""), "step_dtype": str(step_dtype).replace("torch.", ""),
-              "device": device.type, "last": rows[-1],
-              "curve": CURVE}
+              **dtypes, "device": device.type, "last": rows[-1], "curve": CURVE}
     save_head(head, out, record)
     return record
 
