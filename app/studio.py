@@ -59,6 +59,11 @@ def said(lines: list[str], error: str = "", details: str = "") -> tuple[str, str
     return status_html(lines, error, details), status_text(lines, error)
 
 
+def needle_knobs(max_new_tokens: Any, top_k: Any) -> Knobs:
+    """The needle tab's knobs: its new tokens and chunks kept, retrieving after every step, the device's chain."""
+    return Knobs(max_new_tokens=max_new_tokens, top_k=top_k, retrieve_every=1)
+
+
 def panels(view: View) -> tuple:
     """The main tab's panels as a handler answers them, in the order the page lists them (output to speed table)."""
     return (view.output, view.exactness, figure(view.retrieval), view.far, figure(view.acceptance),
@@ -415,7 +420,7 @@ class Studio(Stepping):
             text = documents.check_text(documents.sample_text(haystack)[:chars] if haystack else "",
                                         self.settings.max_document_chars)
             planted = needle.generate(text, float(depth) / 100.0, seed=whole("seed", seed or 0))
-            knobs = Knobs(max_new_tokens=max_new_tokens, top_k=top_k, retrieve_every=1)  # the device's chain
+            knobs = needle_knobs(max_new_tokens, top_k)
             build_config("specextend", knobs, (), self.settings.max_new_tokens)
         except ValueError as exc:
             yield self._needle_refused(state, str(exc))

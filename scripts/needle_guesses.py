@@ -20,9 +20,9 @@ import time
 
 from app import Settings, documents
 from app.backend import real_factory
-from app.runner import Job, Knobs, build_config
+from app.runner import Job, build_config
 from app.settings import BUNDLED, BUNDLED_DRAFT_MODEL
-from app.studio import SessionState, Studio
+from app.studio import SessionState, Studio, needle_knobs
 from specextend.events import Retrieved
 from specextend.tools import needle
 from visualizers import held_share
@@ -71,7 +71,7 @@ def main() -> None:
 def full_cache(studio: Studio, pair: str, needle_job: Job, args) -> list:
     """The needle click's prompt and knobs again, the draft attending over the whole document: its events."""
     loaded = studio.pairs.get(studio.settings.pair(pair), lambda _: None)
-    knobs = Knobs(max_new_tokens=args.max_new_tokens, top_k=args.top_k, retrieve_every=1)
+    knobs = needle_knobs(args.max_new_tokens, args.top_k)
     job = Job(["speculative"], lambda m, codec: build_config(m, knobs, codec.eos_ids, studio.settings.max_new_tokens),
               lambda say: (needle_job.codec, needle_job.prompt, loaded.max_positions, loaded.click())).start()
     job.done.wait()
