@@ -8,6 +8,10 @@
   list), written by the target's chat template; the target's own greedy answers, generated in left-padded batches,
   are kept as ids in resumable shards (`answers/part-NNNNNN.pt`, one request index range each; `held/` for the
   held-out requests). Request i is a pure function of (seed, i), so a run that stops resumes at the next index.
+- Written requests: no document; the target writes a text of one of GENRES on one of TOPICS (modern prose and
+  technical writing, which the corpus lacks: it is early-modern verse and prose and presidential addresses), in
+  its own words; stored as chats (`written/`). Every HELD_TOPIC_EVERY-th topic is kept for held-out requests. No topic
+  is one of the texts figures on unseen text are reported on (a software license, Node's sockets, dpkg's triggers).
 - The stream training reads: item k is a chat (prompt + answer) or a plain window of the corpus (each window once
   per epoch, in a seeded order), by a fixed share; `Position` says how far it has got, for a checkpoint.
 Knows token ids, the corpus, shards and the target's `generate`; knows nothing of the head, its features or its loss.
@@ -36,6 +40,38 @@ TASKS = {  # the requests the target answers, by kind
     "list": ("List the main points of the text above.", "List the people, places and things named in the text above."),
 }
 INSTRUCTIONS = tuple(t for kind in TASKS.values() for t in kind)
+GENRES = ("Write a short how-to guide about {topic}.", "Write the README section of a small tool that helps with {topic}.",
+          "Write an encyclopedia entry about {topic}.", "Write a news report about {topic}.",
+          "Write a FAQ with four questions and answers about {topic}.", "Write an email to a colleague about {topic}.",
+          "Explain {topic} to a beginner, step by step.", "Write the notes of a meeting about {topic}.",
+          "Write a product manual section on {topic}.", "Write a short lecture about {topic}.",
+          "Compare two ways of handling {topic}, with their pros and cons.", "Write a short story that involves {topic}.")
+TOPICS = (
+    "backing up a laptop", "solar panels on a house", "the water cycle", "compiling a C program", "database indexes",
+    "HTTP caching", "password managers", "a city's bus network", "drought and crops", "learning a second language",
+    "training for a marathon", "baking sourdough bread", "vaccines", "index funds", "renting an apartment",
+    "machine learning", "version control with git", "unit testing", "Python virtual environments",
+    "regular expressions", "spreadsheets", "electric cars", "recycling plastics", "volcanoes", "the human heart",
+    "photosynthesis", "black holes", "the Roman Empire", "the printing press", "coffee farming", "phone batteries",
+    "Wi-Fi routers", "cloud storage", "email spam filters", "a library's lending rules", "job interviews",
+    "first aid for burns", "home insurance", "filing a tax return", "public speaking", "chess openings",
+    "football tactics", "birdwatching", "growing tomatoes", "composting", "earthquakes", "the immune system", "sleep",
+    "nutrition labels", "JSON configuration files", "reading log files", "keyboard shortcuts", "memory leaks",
+    "sorting algorithms", "hash tables", "time zones", "Unicode text", "screen readers", "3D printing", "drones",
+    "weather forecasts", "ocean tides", "honey bees", "the moon landing", "the Industrial Revolution", "jazz",
+    "film editing", "podcasts", "online privacy", "two-factor authentication", "customer support tickets",
+    "project deadlines", "remote work", "a school timetable", "hospital triage", "wind turbines", "nuclear power",
+    "water treatment", "traffic lights", "airport security", "night trains", "a camping trip", "avalanche safety",
+    "bicycle repair", "changing a car's oil", "a kitchen renovation", "a leaking pipe", "painting a room", "knitting",
+    "photography", "video games", "board games", "a museum exhibit", "elections", "jury duty", "invoices",
+    "a warranty claim", "a web server's configuration", "shell scripts", "a REST API", "data compression",
+    "SQL queries", "containers and images", "continuous integration", "a compiler's error messages",
+    "floating-point numbers", "a CPU cache", "disk partitions", "a home network", "a printer that will not print",
+    "a smart thermostat", "a budget spreadsheet", "a wedding plan", "a dog's training", "a cat's diet",
+    "a flu season", "a rainforest", "glaciers", "the stock market", "inflation", "a small business loan",
+    "a city council meeting", "a public library", "a marathon's logistics", "a music festival", "a theatre rehearsal",
+)
+HELD_TOPIC_EVERY = 8  # topic i is held out when i % HELD_TOPIC_EVERY == 0
 
 # a prompt maker: (passage ids, instruction) -> the request's ids; the real one writes the target's chat template
 Prompter = Callable[[list[int], str], list[int]]
@@ -108,6 +144,14 @@ def request(corpus: Corpus, prompter: Prompter, seed: int, index: int, held: boo
     return prompter(passage, rng.choice(INSTRUCTIONS))
 
 
+def written_request(prompter: Prompter, seed: int, index: int, held: bool) -> list[int]:
+    """Written request `index` of a split (a genre and a topic of the split, no document): a pure function of its
+    arguments."""
+    rng = random.Random(f"write:{seed}:{'held' if held else 'train'}:{index}")
+    topics = [t for i, t in enumerate(TOPICS) if (i % HELD_TOPIC_EVERY == 0) == held]
+    return prompter([], rng.choice(GENRES).format(topic=rng.choice(topics)))
+
+
 @torch.no_grad()
 def greedy_answers(model, prompts: list[list[int]], max_new: int, stop: Sequence[int], pad: int,
                    batch: int) -> list[list[int]]:
@@ -171,15 +215,18 @@ def read_chats(folder: Path) -> list[Chat]:
 
 def answer_requests(model, corpus: Corpus, prompter: Prompter, folder: Path, *, count: int, held: bool, seed: int,
                     doc_tokens: int, max_new: int, stop: Sequence[int], pad: int, batch: int, shard: int,
-                    time_left: Callable[[], float] = lambda: float("inf"), say: Callable[[str], None] = print) -> int:
-    """Answer requests of a split until `folder` holds `count` or `time_left()` runs out, `shard` requests a shard,
-    resuming after the last one stored. Returns how many `folder` holds."""
+                    time_left: Callable[[], float] = lambda: float("inf"), say: Callable[[str], None] = print,
+                    written: bool = False) -> int:
+    """Answer requests of a split (`written`: written requests, else chat requests about the corpus) until `folder`
+    holds `count` or `time_left()` runs out, `shard` requests a shard, resuming after the last one stored. Returns how
+    many `folder` holds."""
     done = len(read_chats(folder))
-    note = {"seed": seed, "held": held, "doc_tokens": doc_tokens, "max_new": max_new,
+    note = {"seed": seed, "held": held, "written": written, "doc_tokens": doc_tokens, "max_new": max_new,
             "dtype": str(next(model.parameters()).dtype), "device": str(next(model.parameters()).device)}
     while done < count and time_left() > 0:
         indices = range(done, min(count, done + shard))
-        prompts = [request(corpus, prompter, seed, i, held, doc_tokens) for i in indices]
+        prompts = [written_request(prompter, seed, i, held) if written else
+                   request(corpus, prompter, seed, i, held, doc_tokens) for i in indices]
         answers = greedy_answers(model, prompts, max_new, stop, pad, batch)
         write_shard(folder, [Chat(i, p + a, len(p)) for i, p, a in zip(indices, prompts, answers)], note)
         done = indices[-1] + 1
@@ -248,7 +295,7 @@ def summary(folder: Path) -> dict:
     corpus = Corpus(np.load(folder / "corpus.npy"))
     out = {"corpus_tokens": int(len(corpus.ids)),
            "held_blocks": sum(corpus.is_held(b) for b in range(corpus.blocks))}
-    for split in ("answers", "held"):
+    for split in ("answers", "written", "held"):
         chats = read_chats(folder / split)
         out[split] = {"requests": len(chats), "answer_tokens": sum(len(c.ids) - c.prompt_len for c in chats)}
     return out

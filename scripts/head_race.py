@@ -9,7 +9,8 @@ prefill read once per input and shared): the target alone; each draft (the disti
 any `--other-heads`) under
 the full cache (standard speculative decoding), StreamingLLM's and CMR's (SpecExtend); and SpecExtend with lookup
 merged, with each draft (the app's default lookup settings); each head's SpecExtend again with the `--chains` and
-`--trees` asked. Every output is checked against the target alone's.
+`--trees` asked. Every run drafts the device's default draft (config.draft_defaults: on the CPU a chain of
+CPU_CHAIN) unless its name says another chain or tree. Every output is checked against the target alone's.
 Prints one line per run (decode tokens/s, tokens per step, tokens by source) and, per length, each method's tokens
 per step and decode speed over the target alone's: the median over documents and each document's ratio.
 """
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 from specextend import numerics
-from specextend.config import DraftConfig, LookupConfig, preset
+from specextend.config import DraftConfig, LookupConfig, draft_defaults, preset
 from specextend.engine import generate
 from specextend.heads import load_head
 from specextend.metrics import summarize
@@ -59,9 +60,9 @@ def methods(base: dict, setting: str, chains: tuple[int, ...] = (), trees: tuple
         out[f"{draft}: specextend (CMR)"] = (draft, preset("specextend", **base))
         out[f"{draft}: specextend + lookup"] = (draft, preset("specextend", lookup=lookup, **base))
         for label, shape in shapes.items() if draft != "model" else ():
-            out[f"{draft}: specextend (CMR) {label}"] = (draft, preset("specextend", draft=shape, **base))
-            out[f"{draft}: specextend + lookup {label}"] = (draft, preset("specextend", draft=shape, lookup=lookup,
-                                                                             **base))
+            shaped = base | {"draft": shape}
+            out[f"{draft}: specextend (CMR) {label}"] = (draft, preset("specextend", **shaped))
+            out[f"{draft}: specextend + lookup {label}"] = (draft, preset("specextend", lookup=lookup, **shaped))
     return {name: (draft, config.replace(attention=replace(config.attention, numerics=setting)))
             for name, (draft, config) in out.items()}
 
@@ -90,7 +91,8 @@ def main(argv=None) -> int:
     pairs = {"model": model_pair} | {  # each head with the target's calibrated retrieval signal
         name: make_pair(model_pair.target, load_head(folder, model_pair.target, model_pair.device, model_pair.dtype),
                         calibrated=model_pair.calibrated) for name, folder in heads.items()}
-    base = dict(max_new_tokens=args.max_new_tokens, eos_token_ids=stop_ids(tokenizer, model_pair.target))
+    base = dict(max_new_tokens=args.max_new_tokens, eos_token_ids=stop_ids(tokenizer, model_pair.target),
+                draft=draft_defaults(model_pair.device.type))
     setting = numerics.choose(model_pair.target, args.numerics)
     print(f"numerics: {setting}", flush=True)
     configs = methods(base, setting, tuple(int(k) for k in args.chains.split(",") if k.strip()),

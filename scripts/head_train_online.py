@@ -3,8 +3,9 @@
 One command, in phases under one wall-clock budget (`--minutes`), each stopping in time and the run always writing
 what it has:
 1. data (scripts/head_data.py): the corpus's ids (built once), the held-out requests' answers, then as many of the
-   training requests' answers as `--answers` asks or `--answer-share` of the budget allows, in left-padded batches,
-   into resumable shards of ids;
+   training requests' answers as `--answers` asks (then as many written requests as `--written` asks: texts the
+   target writes on modern topics) or `--answer-share` of the budget allows, in left-padded batches, into resumable
+   shards of ids;
 2. training: each batch of the stream (chats and plain windows) is read by the target (`Reader`: its residual streams
    entering layers 2, L//2 and L-3, and its top-k next-token log-probabilities), in bf16 where that is faster; the head
    learns the target's top-k distribution with training-time test over `--unroll` steps (its own output state fed
@@ -61,6 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=0, help="stop training after this many steps in all (0: no limit)")
     p.add_argument("--reserve-s", type=float, default=30.0, help="seconds kept for the last evaluation and saving")
     p.add_argument("--answers", type=int, default=0, help="training requests answered by the target, in all")
+    p.add_argument("--written", type=int, default=0,
+                   help="training requests with no document (head_data.written_request: the target writes a text on a "
+                        "modern topic), in all; in the stream they follow the answered requests")
+    p.add_argument("--write-new", type=int, default=256, help="most tokens of a written text")
     p.add_argument("--answer-share", type=float, default=0.3, help="most share of the budget spent answering")
     p.add_argument("--held-chats", type=int, default=32)
     p.add_argument("--held-windows", type=int, default=32)
@@ -212,9 +217,13 @@ def prepare_data(args, target, prompter, pad: int, stop: tuple[int, ...], clock:
                               time_left=clock.left, **answering)
     head_data.answer_requests(gen_model, corpus, prompter, args.work / "answers", count=args.answers, held=False,
                               time_left=lambda: min(clock.before(args.answer_share), clock.left()), **answering)
+    head_data.answer_requests(gen_model, corpus, prompter, args.work / "written", count=args.written, held=False,
+                              time_left=lambda: min(clock.before(args.answer_share), clock.left()), written=True,
+                              **(answering | {"max_new": args.write_new}))
     held_chats = head_data.read_chats(args.work / "held")[:args.held_chats]
     held_seqs = head_data.held_out(corpus, held_chats, args.window, args.held_windows)
-    return corpus, head_data.read_chats(args.work / "answers"), held_seqs, len(held_chats)
+    chats = head_data.read_chats(args.work / "answers") + head_data.read_chats(args.work / "written")
+    return corpus, chats, held_seqs, len(held_chats)
 
 
 def start_head(args, target, reader: Reader, stream: head_data.Stream, ckpt: dict | None, pad: int,

@@ -20,8 +20,13 @@ PAD = 0
 
 
 def prompter(passage: list[int], instruction: str) -> list[int]:
-    """A stand-in chat template: start, the passage, the instruction's number, end of turn."""
-    return [1, *passage, 2, 10 + head_data.INSTRUCTIONS.index(instruction), 3]
+    """A stand-in chat template: start, the passage, the instruction's number (a written request's: its genre's and
+    its topic's), end of turn."""
+    if instruction in head_data.INSTRUCTIONS:
+        return [1, *passage, 2, 10 + head_data.INSTRUCTIONS.index(instruction), 3]
+    genre, topic = next((g, t) for g in head_data.GENRES for t in head_data.TOPICS if g.format(topic=t) == instruction)
+    number = head_data.TOPICS.index(topic)
+    return [1, *passage, 2, 30 + head_data.GENRES.index(genre), 45 + number // 40, 50 + number % 40, 3]
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +134,27 @@ def test_generate_train_checkpoint_resume_and_evaluate(tmp_path, target, corpus_
     assert whole[-1]["loss"] < whole[1]["loss"]  # it learns
     head = load_head(straight / "head", target, torch.device("cpu"), torch.float32)  # the bundled format, loadable
     assert len(head.d2t) == 40 and int(head.t2d.sum()) == 40
+
+
+def test_written_requests_keep_held_topics_apart_and_follow_the_answers_in_the_stream(tmp_path, target, corpus_ids):
+    topic = lambda ids: head_data.TOPICS[(ids[-3] - 45) * 40 + ids[-2] - 50]  # noqa: E731  (the stand-in's number)
+    train = [head_data.written_request(prompter, 0, i, held=False) for i in range(60)]
+    held = [head_data.written_request(prompter, 0, i, held=True) for i in range(60)]
+    assert train == [head_data.written_request(prompter, 0, i, held=False) for i in range(60)]  # pure
+    assert not {topic(p) for p in train} & {topic(p) for p in held}  # no held-out topic is trained on
+    assert all(head_data.TOPICS.index(topic(p)) % head_data.HELD_TOPIC_EVERY == 0 for p in held)
+    assert all(len(p) == 6 for p in train)  # no document: start, end of passage, genre, topic (two ids), end
+
+    work = work_folder(tmp_path / "w", corpus_ids)
+    record = head_train_online.run(arguments(work, steps=4, answers=2, written=4, write_new=3), target, prompter, PAD,
+                                   STOP, lambda _: None)
+    written = head_data.read_chats(work / "written")
+    assert [c.ids[:c.prompt_len] for c in written] == train[:4] and all(len(c.ids) - c.prompt_len <= 3 for c in written)
+    assert record["data"]["written"]["requests"] == 4 and record["data"]["answers"]["requests"] == 2
+    assert record["data"]["position"]["chat"] == 6  # 12 items at half chats: the 2 answered requests, then the 4 written
+    stream = head_data.Stream(head_data.Corpus(corpus_ids), head_data.read_chats(work / "answers") + written, 24, 0.5, 0)
+    seqs, _ = stream.take(Position(), 12)
+    assert [s for s in seqs[1::2]][2:] == [c.ids[:24] for c in written]
 
 
 def test_a_fresh_start_and_an_init_from_a_head_folder_share_the_vocabulary(tmp_path, target, corpus_ids):
