@@ -46,14 +46,21 @@ def tree_shape(text: str) -> DraftConfig:
     return DraftConfig(shape="tree", max_depth=depth, node_budget=budget, branch=branch, children=children)
 
 
-def methods(base: dict, setting: str, chains: tuple[int, ...] = (), trees: tuple[str, ...] = (),
+def chain_shape(text: str) -> DraftConfig:
+    """`K` or `K@FLOOR` -> a chain of K (ended early below the confidence floor FLOOR)."""
+    k, _, floor = text.partition("@")
+    return DraftConfig(shape="chain", k=int(k), confidence_floor=float(floor or 0))
+
+
+def methods(base: dict, setting: str, chains: tuple[str, ...] = (), trees: tuple[str, ...] = (),
             heads: tuple[str, ...] = ("head",)) -> dict[str, tuple[str, object]]:
     """name -> (which draft, config), every config in numerics `setting`, for the draft model and each of `heads`;
-    `chains`: each head's SpecExtend runs again with each of these chain lengths (named "... k=N"), and `trees` with
-    each of these trees (`tree_shape`, named "... tree=D/N/B/C"), beside the default's."""
+    `chains`: each head's SpecExtend runs again with each of these chains (`chain_shape`, named "... k=K" or
+    "... k=K@FLOOR"), and `trees` with each of these trees (`tree_shape`, named "... tree=D/N/B/C"), beside the
+    default's."""
     lookup = LookupConfig(enabled=True)
     out = {"target alone": ("model", preset("autoregressive", **base))}
-    shapes = {f"k={k}": DraftConfig(shape="chain", k=k) for k in chains} | {f"tree={t}": tree_shape(t) for t in trees}
+    shapes = {f"k={c}": chain_shape(c) for c in chains} | {f"tree={t}": tree_shape(t) for t in trees}
     for draft in ("model", *heads):
         out[f"{draft}: speculative (full cache)"] = (draft, preset("speculative", **base))
         out[f"{draft}: streaming"] = (draft, preset("streaming", **base))
@@ -79,7 +86,8 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="", help="comma list of method names to run (default: all)")
     p.add_argument("--out", type=Path, help="write every run's figures here as JSON lines")
     add_numerics_argument(p)
-    p.add_argument("--chains", default="", help="comma list of chain lengths the head's SpecExtend also runs with")
+    p.add_argument("--chains", default="",
+                   help="comma list of chains the head's SpecExtend also runs with: K, or K@FLOOR (a confidence floor)")
     p.add_argument("--trees", default="", help="comma list of DEPTH/BUDGET/BRANCH/CHILDREN dynamic trees, as --chains")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -95,7 +103,7 @@ def main(argv=None) -> int:
                 draft=draft_defaults(model_pair.device.type))
     setting = numerics.choose(model_pair.target, args.numerics)
     print(f"numerics: {setting}", flush=True)
-    configs = methods(base, setting, tuple(int(k) for k in args.chains.split(",") if k.strip()),
+    configs = methods(base, setting, tuple(k.strip() for k in args.chains.split(",") if k.strip()),
                       tuple(t.strip() for t in args.trees.split(",") if t.strip()), tuple(heads))
     if args.only:
         configs = {k: v for k, v in configs.items() if k in args.only.split(",") or k == "target alone"}

@@ -41,6 +41,11 @@ class DraftConfig:
     branch: int = 2  # tree: frontier nodes expanded per level
     children: int = 3  # tree: children drawn per expanded node
     stop_threshold: float = 0.02  # tree: stop growing when the best frontier cumulative probability falls below
+    # chain: end the chain before a token whose path probability (the chain's draft probabilities so far times the
+    # top of the next one's distribution, which is decided before any draw) would fall below this; 0: never. As
+    # EAGLE-2 reads it, the draft's confidence stands for the chance the target accepts: a token that is unlikely
+    # to be kept costs a verified row and a draft round for little.
+    confidence_floor: float = 0.0
 
     def __post_init__(self) -> None:
         if self.shape not in ("chain", "tree"):
@@ -55,6 +60,8 @@ class DraftConfig:
             raise ValueError(f"tree branch and children must be from 1 to {MAX_DRAFT}, got {self.branch} and {self.children}")
         if not 0.0 <= self.stop_threshold < 1.0:
             raise ValueError(f"tree stop_threshold must be in [0, 1), got {self.stop_threshold}")
+        if not 0.0 <= self.confidence_floor < 1.0:
+            raise ValueError(f"chain confidence_floor must be in [0, 1), got {self.confidence_floor}")
 
     @property
     def depth(self) -> int:

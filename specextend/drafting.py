@@ -11,7 +11,7 @@ are fed to the draft together (tree mask) and each gets `children` children, unt
 depth limit, or the stop threshold; a greedy tree grows past its budget and keeps its most probable nodes
 (EAGLE-2's rerank). Children are the top draft tokens (greedy) or drawn without replacement from q
 (sampling), which is what keeps recursive rejection sampling exact. A chain is the tree with branch 1 and
-children 1.
+children 1; it may end early where the draft is unsure (`confidence_floor`).
 Knows drafts and their caches; knows nothing of the target or of verification.
 """
 
@@ -203,15 +203,20 @@ class PolicyDrafter:
         rerank = cfg.shape == "tree" and generator is None
         budget = RERANK_GROWTH * cfg.budget if rerank else cfg.budget
         threshold = math.log(cfg.stop_threshold) if cfg.shape == "tree" and cfg.stop_threshold > 0 else -math.inf
-        tree.expand([-1], self._logq(logits[None]), children, budget, generator)
+        floor = math.log(cfg.confidence_floor) if cfg.shape == "chain" and cfg.confidence_floor > 0 else -math.inf
+        logq = self._logq(logits[None])
+        if confident(0.0, logq, floor):
+            tree.expand([-1], logq, children, budget, generator)
         for level in range(1, min(cfg.depth, room)):
             room_left = budget - len(tree.tokens)
             frontier = sorted((i for i, d in enumerate(tree.depths) if d == level), key=lambda i: -tree.cum[i])[:branch]
             frontier = [i for i in frontier if tree.cum[i] >= threshold]
             if room_left <= 0 or not frontier:
                 break
-            level_logits = tree.feed(run, frontier, self.kernels.verify)
-            tree.expand(frontier, self._logq(level_logits), children, budget, generator)
+            logq = self._logq(tree.feed(run, frontier, self.kernels.verify))
+            if not confident(tree.cum[frontier[0]], logq, floor):
+                break
+            tree.expand(frontier, logq, children, budget, generator)
         if rerank:
             tree.prune(cfg.budget)
         tree.vocab = logits.shape[-1]
@@ -237,6 +242,13 @@ class PolicyDrafter:
         kv = self.store.gather(positions)
         self.working.replace(reposition(kv, self.store.rope_positions[positions], compact, self.inv_freq), compact)
         return selection, seq_len
+
+
+def confident(cum: float, logq: torch.Tensor, floor: float) -> bool:
+    """Whether a chain goes on from a node of cumulative log q `cum` whose next distribution is `logq` (1, V): its
+    likeliest next token keeps the path's probability at or above `floor` (log). It looks at the distribution, not at
+    a draw, so a sampled chain's tokens stay draws from q."""
+    return floor == -math.inf or cum + float(logq.max()) >= floor
 
 
 def working_room(config: GenerationConfig, capacity: int) -> int:

@@ -69,6 +69,20 @@ def test_greedy_equals_target(llama_pair, refs, method, draft, prompt_len):
         assert output(trace) == refs(prompt), (method, draft, retrieval)
 
 
+@pytest.mark.parametrize("method", ["speculative", "specextend"])
+def test_a_confidence_floor_ends_chains_where_the_draft_is_unsure_and_stays_lossless(llama_pair, refs, method):
+    prompt = prompt_of(77, seed=77)
+    free = run(llama_pair, prompt, preset(method, max_new_tokens=N_NEW, draft=DraftConfig(k=4)))
+    firsts = sorted(e.draft_probs[0] for e in free if isinstance(e, ev.Drafted) and e.tokens)
+    floor = firsts[len(firsts) // 2]  # the median confidence in a first token: some chains end before it, some not
+    trace = run(llama_pair, prompt, preset(method, max_new_tokens=N_NEW, draft=DraftConfig(k=4, confidence_floor=floor)))
+    assert output(trace) == refs(prompt)
+    chains = [e.draft_probs for e in trace if isinstance(e, ev.Drafted)]
+    # greedy: a token's q is the top of its distribution, so every proposed token's path clears the floor
+    assert all(math.prod(c[:i + 1]) >= floor * (1 - 1e-5) for c in chains for i in range(len(c)))
+    assert any(not c for c in chains) and any(c for c in chains)
+
+
 @pytest.mark.parametrize("prefill", ["fused", "eager"])
 @pytest.mark.parametrize("verify", ["hybrid", "onecall", "masked", "auto"])
 @pytest.mark.parametrize("cmr", [True, False])

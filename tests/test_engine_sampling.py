@@ -1,7 +1,8 @@
 """Sampling through the whole engine keeps the target's distribution: the second and third generated
 tokens of a tiny-vocabulary model (both decided by verifying a depth-2 chain or tree, the first comes
 from the prefill), sampled with speculative decoding many times, follow the target's exact joint
-distribution (chi-square), also when the draft can draw only some of the tokens."""
+distribution (chi-square), also when the draft can draw only some of the tokens, and when a chain ends where the
+draft is unsure (a confidence floor decides from q before drawing)."""
 
 from __future__ import annotations
 
@@ -52,20 +53,25 @@ def exact_joint(target, prompt: list[int], temperature: float) -> torch.Tensor:
 
 @pytest.mark.parametrize("draft", [DraftConfig(shape="chain", k=2),
                                    DraftConfig(shape="tree", max_depth=2, node_budget=6, branch=2, children=3,
-                                               stop_threshold=0.0)], ids=["chain", "tree"])
+                                               stop_threshold=0.0),
+                                   DraftConfig(shape="chain", k=2, confidence_floor=0.6)],
+                         ids=["chain", "tree", "chain-floor"])
 def test_speculative_sampling_matches_target(pair, draft):
     prompt = [1, 4, 2, 5, 0, 3, 3, 1]
     temperature = 1.3
     joint = exact_joint(pair.target, prompt, temperature).flatten()
     runs = 1200
     counts = torch.zeros(V * V)
+    depths = []  # the first step's chain depth, per run
     for seed in range(runs):
         config = preset("speculative", max_new_tokens=4, temperature=temperature, seed=seed, draft=draft)
         trace = list(generate(pair, prompt, config))
         out = trace[-1].token_ids
         first_draft = next(e for e in trace if isinstance(e, Drafted))
-        assert first_draft.step == 1 and max(node_depths(first_draft.parents)) == 2  # step 1 verifies depth 2
+        depths.append(max(node_depths(first_draft.parents), default=0))
+        assert first_draft.step == 1 and (depths[-1] == 2 or draft.confidence_floor)  # step 1 verifies depth 2
         counts[out[1] * V + out[2]] += 1
+    assert not draft.confidence_floor or (2 in depths and min(depths) < 2)  # the floor ended some chains, not all
     keep = joint * runs >= 5  # pool the rare cells so chi-square stays valid
     observed = torch.cat([counts[keep], counts[~keep].sum()[None]])
     expected = torch.cat([joint[keep], joint[~keep].sum()[None]]) * runs

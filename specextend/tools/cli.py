@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--branch", type=int, help="tree: frontier nodes expanded per level")
     g.add_argument("--children", type=int, help="tree: children per expanded node")
     g.add_argument("--stop-threshold", type=float, help="tree: stop growing below this cumulative draft probability")
+    g.add_argument("--confidence-floor", type=float,
+                   help="chain: end the chain before a token that would take its draft probability below this")
     r = RetrievalConfig()
     g.add_argument("--chunk-size", type=int, default=r.chunk_size, help="CMR chunk size in tokens")
     g.add_argument("--top-k", type=int, default=r.top_k, help="CMR chunks in the working cache (sink and newest included)")
@@ -168,7 +170,8 @@ def config_from(args: argparse.Namespace, eos: tuple[int, ...], device_type: str
     given = lambda value, default: default if value is None else value  # noqa: E731
     draft = DraftConfig(given(args.draft_shape, d.shape), given(args.k, d.k), given(args.max_depth, d.max_depth),
                         given(args.node_budget, d.node_budget), given(args.branch, d.branch),
-                        given(args.children, d.children), given(args.stop_threshold, d.stop_threshold))
+                        given(args.children, d.children), given(args.stop_threshold, d.stop_threshold),
+                        given(args.confidence_floor, d.confidence_floor))
     lookup = lookup_from(args, args.lookup)
     base = preset(args.method).attention
     attention = AttentionConfig(prefill=args.prefill or base.prefill, verify=args.verify or base.verify,
