@@ -10,8 +10,9 @@
   held-out requests). Request i is a pure function of (seed, i), so a run that stops resumes at the next index.
 - Written requests: no document; the target writes a text of one of GENRES on one of TOPICS (modern prose and
   technical writing, which the corpus lacks: it is early-modern verse and prose and presidential addresses), in
-  its own words; stored as chats (`written/`). Every HELD_TOPIC_EVERY-th topic is kept for held-out requests. No topic
-  is one of the texts figures on unseen text are reported on (a software license, Node's sockets, dpkg's triggers).
+  its own words; stored as chats (`written/`). Every HELD_TOPIC_EVERY-th topic is kept out of training (held-out
+  requests on them are `written_request(..., held=True)`; the curve does not read any yet). No topic is one of the
+  texts figures on unseen text are reported on (a software license, Node's sockets, dpkg's triggers).
 - The stream training reads: item k is a chat (prompt + answer) or a plain window of the corpus (each window once
   per epoch, in a seeded order), by a fixed share; `Position` says how far it has got, for a checkpoint.
 Knows token ids, the corpus, shards and the target's `generate`; knows nothing of the head, its features or its loss.
@@ -236,11 +237,12 @@ def answer_requests(model, corpus: Corpus, prompter: Prompter, folder: Path, *, 
 
 @dataclass(frozen=True)
 class Position:
-    """How far the training stream has got: items read, and of them chats and plain windows."""
+    """How far the training stream has got: items read, and of them answered chats, plain windows and written chats."""
 
     item: int = 0
     chat: int = 0
     plain: int = 0
+    written: int = 0
 
 
 def is_chat(item: int, share: float) -> bool:
@@ -249,27 +251,33 @@ def is_chat(item: int, share: float) -> bool:
 
 
 class Stream:
-    """The sequences training reads, in a fixed order: chats (as many as stored) and plain corpus windows."""
+    """The sequences training reads, in a fixed order: chats (the answered requests as long as any are unread, then the
+    written ones) and plain corpus windows. Each kind keeps its own count, so answers added on a resume are read next
+    and nothing is read twice."""
 
-    def __init__(self, corpus: Corpus, chats: list[Chat], window: int, chat_share: float, seed: int) -> None:
-        self.corpus, self.chats, self.window, self.share = corpus, chats, window, chat_share
+    def __init__(self, corpus: Corpus, chats: list[Chat], window: int, chat_share: float, seed: int,
+                 written: Sequence[Chat] = ()) -> None:
+        self.corpus, self.chats, self.written, self.window, self.share = corpus, chats, written, window, chat_share
         self.starts = corpus.windows(window, held=False)
         random.Random(f"plain:{seed}").shuffle(self.starts)
 
     def take(self, pos: Position, n: int) -> tuple[list[list[int]], Position]:
         """The next `n` sequences after `pos` (each at most `window` ids) and the position after them."""
         seqs = []
-        item, chat, plain = pos.item, pos.chat, pos.plain
+        item, chat, plain, written = pos.item, pos.chat, pos.plain, pos.written
         for _ in range(n):
             if is_chat(item, self.share) and chat < len(self.chats):
                 seqs.append(self.chats[chat].ids[:self.window])
                 chat += 1
+            elif is_chat(item, self.share) and written < len(self.written):
+                seqs.append(self.written[written].ids[:self.window])
+                written += 1
             else:
                 start = self.starts[plain % len(self.starts)]
                 seqs.append(self.corpus.ids[start:start + self.window].tolist())
                 plain += 1
             item += 1
-        return seqs, Position(item, chat, plain)
+        return seqs, Position(item, chat, plain, written)
 
 
 def held_out(corpus: Corpus, chats: list[Chat], window: int, plain: int) -> list[list[int]]:

@@ -64,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--answers", type=int, default=0, help="training requests answered by the target, in all")
     p.add_argument("--written", type=int, default=0,
                    help="training requests with no document (head_data.written_request: the target writes a text on a "
-                        "modern topic), in all; in the stream they follow the answered requests")
+                        "modern topic), in all; the stream reads them where no answered request is left unread")
     p.add_argument("--write-new", type=int, default=256, help="most tokens of a written text")
     p.add_argument("--answer-share", type=float, default=0.3, help="most share of the budget spent answering")
     p.add_argument("--held-chats", type=int, default=32)
@@ -207,7 +207,7 @@ class Clock:
 
 def prepare_data(args, target, prompter, pad: int, stop: tuple[int, ...], clock: Clock, say):
     """Phase 1: the held-out requests' answers, then the training requests' within their share of the budget.
-    Returns (corpus, training chats, held-out sequences, how many of them (the first) are chats)."""
+    Returns (corpus, answered chats, written chats, held-out sequences, how many of them (the first) are chats)."""
     corpus = head_data.load_corpus(args.work)
     gen_model = in_dtype(target, dtype_of(args.gen_dtype, torch.device(args.device),
                                           lambda: models.prefill_dtype(target, "auto")))
@@ -222,8 +222,8 @@ def prepare_data(args, target, prompter, pad: int, stop: tuple[int, ...], clock:
                               **(answering | {"max_new": args.write_new}))
     held_chats = head_data.read_chats(args.work / "held")[:args.held_chats]
     held_seqs = head_data.held_out(corpus, held_chats, args.window, args.held_windows)
-    chats = head_data.read_chats(args.work / "answers") + head_data.read_chats(args.work / "written")
-    return corpus, chats, held_seqs, len(held_chats)
+    return (corpus, head_data.read_chats(args.work / "answers"), head_data.read_chats(args.work / "written"), held_seqs,
+            len(held_chats))
 
 
 def start_head(args, target, reader: Reader, stream: head_data.Stream, ckpt: dict | None, pad: int,
@@ -264,8 +264,8 @@ def run(args, target, prompter, pad: int, stop: tuple[int, ...], say=print, cloc
     for p in target.parameters():
         p.requires_grad_(False)
     torch.manual_seed(args.seed)  # a new head's initial weights
-    corpus, chats, held, held_chats = prepare_data(args, target, prompter, pad, stop, clock, say)
-    stream = head_data.Stream(corpus, chats, args.window, args.chat_share, args.seed)
+    corpus, chats, written, held, held_chats = prepare_data(args, target, prompter, pad, stop, clock, say)
+    stream = head_data.Stream(corpus, chats, args.window, args.chat_share, args.seed, written)
     read_dtype = dtype_of(args.read_dtype, device, lambda: models.prefill_dtype(target, "auto"))
     reader = Reader(target, read_dtype, args.topk)
     head, vocab_ids = start_head(args, target, reader, stream, ckpt, pad, stop)
@@ -291,7 +291,8 @@ def run(args, target, prompter, pad: int, stop: tuple[int, ...], say=print, cloc
 
     def distinct(pos: Position) -> int:
         """Token-positions of distinct sequences read so far (each chat once; plain windows up to one epoch)."""
-        return sum(len(c.ids[:args.window]) for c in chats[:pos.chat]) + min(pos.plain, len(stream.starts)) * args.window
+        read = chats[:pos.chat] + written[:pos.written]
+        return sum(len(c.ids[:args.window]) for c in read) + min(pos.plain, len(stream.starts)) * args.window
 
     def checkpoint() -> None:
         state["minutes"] = minutes0 + (time.time() - began) / 60

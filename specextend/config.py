@@ -62,6 +62,8 @@ class DraftConfig:
             raise ValueError(f"tree stop_threshold must be in [0, 1), got {self.stop_threshold}")
         if not 0.0 <= self.confidence_floor < 1.0:
             raise ValueError(f"chain confidence_floor must be in [0, 1), got {self.confidence_floor}")
+        if self.confidence_floor and self.shape != "chain":
+            raise ValueError("confidence_floor ends a chain; a tree stops growing at its stop_threshold instead")
 
     @property
     def depth(self) -> int:

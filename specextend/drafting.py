@@ -195,7 +195,8 @@ class PolicyDrafter:
     def grow(self, tree: GrowingTree, logits: torch.Tensor, room: int, generator: torch.Generator | None, run) -> GrowingTree:
         """Grow `tree` (fresh) to at most min(config depth, `room`) levels from the root's `logits` (V,): the `branch` frontier
         nodes with the highest cumulative log q are fed together through `run(nodes, tokens, positions, plan)` ->
-        logits (len(nodes), V), each getting `children` children, until the node budget, the depth, or the threshold."""
+        logits (len(nodes), V), each getting `children` children, until the node budget, the depth, the threshold, or
+        (a chain) the confidence floor, which may leave the tree empty."""
         cfg: DraftConfig = self.draft
         branch, children = cfg.width
         # EAGLE-2's dynamic tree (greedy): grow past the node budget, then keep the most probable nodes. A sampled

@@ -278,7 +278,9 @@ class MergedDrafter:
         return replace(tree, sat_out=sat_out, recent=recent)
 
     def commit(self, tokens: list[int]) -> None:
-        if self._tree is not None:  # how many committed tokens the draft model proposed (alone or with a lookup)
+        # how many committed tokens the draft model proposed (alone or with a lookup), where it proposed any: a chain
+        # it ended before its first token (its confidence floor) cost no verified row and says nothing of its pay
+        if self._tree is not None and any(s != "lookup" for s in self._tree.sources):
             path = token_path(self._tree.parents, self._tree.tokens, tokens)
             self.gains.append(sum(self._tree.sources[n] != "lookup" for n in path))
             self._tree = None

@@ -49,6 +49,7 @@ NONSENSE = [
     (lambda: DraftConfig(stop_threshold=-0.1), "stop_threshold"),
     (lambda: DraftConfig(confidence_floor=1.0), "confidence_floor"),
     (lambda: DraftConfig(confidence_floor=float("nan")), "confidence_floor"),
+    (lambda: DraftConfig(shape="tree", confidence_floor=0.1), "stop_threshold instead"),
     (lambda: RetrievalConfig(chunk_size=0), "chunk_size"),
     (lambda: RetrievalConfig(chunk_size=-32), "chunk_size"),
     (lambda: RetrievalConfig(top_k=0), "top_k"),

@@ -146,15 +146,20 @@ def test_written_requests_keep_held_topics_apart_and_follow_the_answers_in_the_s
     assert all(len(p) == 6 for p in train)  # no document: start, end of passage, genre, topic (two ids), end
 
     work = work_folder(tmp_path / "w", corpus_ids)
+    say = lambda _: None  # noqa: E731
     record = head_train_online.run(arguments(work, steps=4, answers=2, written=4, write_new=3), target, prompter, PAD,
-                                   STOP, lambda _: None)
+                                   STOP, say)
     written = head_data.read_chats(work / "written")
     assert [c.ids[:c.prompt_len] for c in written] == train[:4] and all(len(c.ids) - c.prompt_len <= 3 for c in written)
     assert record["data"]["written"]["requests"] == 4 and record["data"]["answers"]["requests"] == 2
-    assert record["data"]["position"]["chat"] == 6  # 12 items at half chats: the 2 answered requests, then the 4 written
-    stream = head_data.Stream(head_data.Corpus(corpus_ids), head_data.read_chats(work / "answers") + written, 24, 0.5, 0)
-    seqs, _ = stream.take(Position(), 12)
-    assert [s for s in seqs[1::2]][2:] == [c.ids[:24] for c in written]
+    # 12 items at half chats: the 2 answered requests first, then the 4 written ones
+    assert record["data"]["position"] == {"item": 12, "chat": 2, "plain": 6, "written": 4}
+    # answers added on a resume are read next, and no written chat is read twice
+    resumed = head_train_online.run(arguments(work, steps=6, answers=4, written=4, write_new=3, resume=True), target,
+                                    prompter, PAD, STOP, say)
+    assert resumed["data"]["position"] == {"item": 18, "chat": 4, "plain": 10, "written": 4}
+    assert resumed["data"]["distinct_tokens"] == sum(len(c.ids) for c in head_data.read_chats(work / "answers")
+                                                     + written) + 10 * 24
 
 
 def test_a_fresh_start_and_an_init_from_a_head_folder_share_the_vocabulary(tmp_path, target, corpus_ids):

@@ -293,3 +293,19 @@ def test_lookup_settings_are_checked():
     assert preset("lookup").uses_lookup and not preset("lookup").uses_draft
     assert not preset("specextend").uses_lookup
     assert preset("specextend", lookup=LookupConfig(enabled=True, branches=2, max_tokens=8)).tree_budget == 4 + 16
+
+
+def test_a_chain_the_draft_model_ended_before_its_first_token_is_not_counted_as_a_use(bigram_pair):
+    prompt = prompt_of(120, seed=8)
+    lookup = LookupConfig(enabled=True, with_draft="always", draft_gate=1.0)
+    config = preset("speculative", max_new_tokens=60, lookup=lookup, draft=DraftConfig(k=3, confidence_floor=0.3))
+    trace = list(generate(bigram_pair, prompt, config))
+    assert list(trace[-1].token_ids) == reference_greedy(bigram_pair.target, prompt, 60)
+    verified = {e.step: e for e in trace if isinstance(e, ev.Verified)}
+    gains, unsure = [], 0  # the gate counts the uses where the draft model proposed a token, and only those
+    for d in (e for e in trace if isinstance(e, ev.Drafted)):
+        assert d.recent == tuple(gains[-GATE_USES:])
+        if any(s != "lookup" for s in d.sources):
+            gains.append(sum(d.sources[n] != "lookup" for n in verified[d.step].accepted_nodes))
+        unsure += d.draft_forwards > 0 and all(s == "lookup" for s in d.sources)
+    assert unsure > 0 and gains

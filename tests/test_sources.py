@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import html
 import re
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from html.parser import HTMLParser
 
 import pytest
 
-from specextend.config import LookupConfig, preset
+from specextend.config import DraftConfig, LookupConfig, preset
 from specextend.events import Drafted, Finished, Prefilled, Retrieved, Started, Verified
 from specextend.metrics import (
     Yield, acceptance_by_position, acceptance_by_source, retrieval_yield, sat_out, step_tokens_by_source, summarize,
@@ -133,6 +133,18 @@ def test_a_step_in_words_credits_its_tokens_and_gives_the_real_reason_nothing_wa
         assert phrase in text
     for phrase in unsaid:
         assert phrase not in text
+
+
+@pytest.mark.parametrize("lookup", [True, False])
+def test_a_chain_ended_at_its_confidence_floor_is_said_as_the_draft_being_unsure(lookup):
+    floored = asdict(preset("specextend", draft=DraftConfig(k=4, confidence_floor=0.15),
+                            lookup=LookupConfig(enabled=lookup, with_draft="always")))
+    run = [replace(e, config=floored) if isinstance(e, Started) else
+           replace(e, sat_out="", recent=()) if isinstance(e, Drafted) and e.step == 3 else e for e in lookup_run()]
+    text = words(step_html(run, 3, decode))
+    unsure = "the draft model was unsure of the next token (no token reached its confidence floor of 0.15)"
+    assert unsure in text and "sat out" not in text
+    assert ("lookup found no earlier occurrence" in text) == lookup
 
 
 @pytest.mark.parametrize("step,who", [(1, "the draft model"), (4, "lookup")])

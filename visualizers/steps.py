@@ -12,7 +12,7 @@ import html
 from dataclasses import dataclass
 from typing import Sequence
 
-from specextend.events import Drafted, Event, Finished, Prefilled, Retrieved, Verified
+from specextend.events import Drafted, Event, Finished, Prefilled, Retrieved, Started, Verified
 from specextend.metrics import committed_curve, source_of
 
 from .common import (
@@ -82,13 +82,25 @@ def _sat_out(events: Sequence[Event], d: Drafted) -> str:
 
 
 def _why_nothing(events: Sequence[Event], d: Drafted | None) -> str:
-    """Why a step drafted no token: no room before the token limit, or lookup found nothing while the draft sat out."""
+    """Why a step drafted no token: no room before the token limit, lookup found nothing while the draft sat out, or
+    the draft was unsure (its confidence floor)."""
     if d is None:
         return "no room was left before the token limit"
     missed = "lookup found no earlier occurrence of the newest tokens"
     if d.sat_out in SITTING_OUT:
         return f"{missed}, and {_sat_out(events, d)}"
-    return missed if lookup_on(events) else f"the {draft_name(events)} proposed no token"
+    floor = _floor(events)
+    unsure = (f"the {draft_name(events)} was unsure of the next token (no token reached its confidence floor of "
+              f"{floor:g})") if floor else f"the {draft_name(events)} proposed no token"
+    if lookup_on(events):
+        return f"{missed}, and {unsure}" if floor else missed
+    return unsure
+
+
+def _floor(events: Sequence[Event]) -> float:
+    """The draft's confidence floor in this run (0: none)."""
+    started = next((e for e in events if isinstance(e, Started)), None)
+    return float(started.config.get("draft", {}).get("confidence_floor", 0.0)) if started is not None else 0.0
 
 
 def _by_source(events: Sequence[Event], d: Drafted, accepted: Sequence[int]) -> str:
