@@ -6,10 +6,15 @@
             answer tokens/s
   online    one training step's parts per token: the target's reading, the head's step (training-time test), and
             writing then reading the same batch's streams and labels as a shard would (float16 streams)
+  agree     heads side by side (`--heads`): agreement with the target's argmax per unrolled step, as the training
+            curve measures it, on written requests about held-out topics (the target's own answers) and on windows
+            of `--files` (text nobody tuned for), the target reading in bf16 as training does
 
   python -m scripts.head_measure read --work cache/head-online --repeats 5
   python -m scripts.head_measure generate --work cache/head-online --prompts 16 --max-new 64
   python -m scripts.head_measure online --work cache/head-online --repeats 3
+  python -m scripts.head_measure agree --heads assets/models/smollm2-135m-eagle3 cache/head-online2/head --prompts 32 \
+      --max-new 256 --files /usr/share/common-licenses/GPL-3
 
 Timings on a shared machine are noisy: each compares alternating runs and reports medians.
 """
@@ -133,9 +138,38 @@ def measure_online(args, tokenizer, target, corpus) -> None:
                       "seconds": {k: [round(t, 2) for t in v] for k, v in parts.items()}}))
 
 
+def measure_agree(args, tokenizer, target, corpus) -> None:
+    from specextend.heads import load_head
+    from specextend.tools import prompting
+
+    from scripts.head_train_online import evaluate
+
+    prompter = head_data.chat_prompter(tokenizer)
+    stop = prompting.stop_ids(tokenizer, target)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    prompts = [head_data.written_request(prompter, args.seed, i, held=True) for i in range(args.prompts)]
+    answers = head_data.greedy_answers(in_dtype(target, torch.bfloat16), prompts, args.max_new, stop, pad, 16)
+    sets = {"written, held-out topics": [(p + a)[:args.window] for p, a in zip(prompts, answers)]}
+    for name in args.files:
+        ids = tokenizer(Path(name).read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+        sets[Path(name).name] = [ids[i:i + args.window] for i in range(0, len(ids) - args.window + 1, args.window)]
+    reader = Reader(target, torch.bfloat16, 16)
+    batches = {k: [labelled(reader, seqs[i:i + args.batch], pad, "cpu") for i in range(0, len(seqs), args.batch)]
+               for k, seqs in sets.items()}
+    for folder in args.heads:
+        head = load_head(folder, target, torch.device("cpu"), torch.float32)
+        to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
+        to_draft[torch.arange(len(head.d2t)) + head.d2t] = torch.arange(len(head.d2t))
+        for k, b in batches.items():
+            got = evaluate(head, b, to_draft, args.unroll)
+            print(json.dumps({"measure": "agree", "head": str(folder), "set": k, "sequences": len(sets[k]),
+                              "agree": got["held_agree"], "chain": got["held_chain"],
+                              "positions": got["held_positions"]}), flush=True)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=("read", "generate", "online"))
+    p.add_argument("what", choices=("read", "generate", "online", "agree"))
     p.add_argument("--work", type=Path, default=Path("cache/head-online"))
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--batch", type=int, default=8)
@@ -148,10 +182,13 @@ def main(argv=None) -> None:
     p.add_argument("--doc-tokens", type=int, default=320)
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--heads", type=Path, nargs="*", default=(), help="agree: the head folders compared")
+    p.add_argument("--files", nargs="*", default=(), help="agree: UTF-8 text files read in windows")
+    p.add_argument("--seed", type=int, default=0, help="agree: the written requests' seed")
     args = p.parse_args(argv)
     tokenizer, target = load(args.threads)
     corpus = head_data.load_corpus(args.work, tokenizer)
-    {"read": measure_read, "generate": measure_generate, "online": measure_online}[args.what](
+    {"read": measure_read, "generate": measure_generate, "online": measure_online, "agree": measure_agree}[args.what](
         args, tokenizer, target, corpus)
 
 
