@@ -33,7 +33,7 @@ import torch
 
 from scripts import head_data
 from scripts.head_train_online import Reader, in_dtype, labelled
-from scripts.train_head import head_loss, make_head
+from scripts.train_head import draft_index, head_loss, head_vocab, make_head
 
 
 def load(threads: int):
@@ -108,8 +108,7 @@ def measure_generate(args, tokenizer, target, corpus) -> None:
 def measure_online(args, tokenizer, target, corpus) -> None:
     reader = Reader(target, torch.bfloat16, 16)
     head = make_head(target, torch.arange(8192)).train()
-    to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
-    to_draft[:8192] = torch.arange(8192)
+    to_draft = draft_index(torch.arange(8192), target.config.vocab_size)
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4)
     seqs = windows(corpus, args.batch * args.repeats, args.window)
     parts: dict[str, list[float]] = {"read": [], "head_step": [], "shard_write": [], "shard_read": []}
@@ -158,8 +157,7 @@ def measure_agree(args, tokenizer, target, corpus) -> None:
                for k, seqs in sets.items()}
     for folder in args.heads:
         head = load_head(folder, target, torch.device("cpu"), torch.float32)
-        to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
-        to_draft[torch.arange(len(head.d2t)) + head.d2t] = torch.arange(len(head.d2t))
+        to_draft = draft_index(head_vocab(head), target.config.vocab_size)
         for k, b in batches.items():
             got = evaluate(head, b, to_draft, args.unroll)
             print(json.dumps({"measure": "agree", "head": str(folder), "set": k, "sequences": len(sets[k]),

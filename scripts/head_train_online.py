@@ -40,7 +40,8 @@ import torch
 
 from scripts import head_data
 from scripts.head_data import Position
-from scripts.train_head import draft_vocab, head_loss, make_head, read_streams, save_head, unrolled_steps
+from scripts.train_head import (draft_index, draft_vocab, head_loss, head_vocab, make_head, read_streams, save_head,
+                                unrolled_steps)
 from specextend import models
 from specextend.heads import feature_streams, load_head
 
@@ -215,11 +216,11 @@ def prepare_data(args, target, prompter, pad: int, stop: tuple[int, ...], clock:
                      batch=args.gen_batch, shard=args.shard, say=say)
     head_data.answer_requests(gen_model, corpus, prompter, args.work / "held", count=args.held_chats, held=True,
                               time_left=clock.left, **answering)
+    share = lambda: min(clock.before(args.answer_share), clock.left())  # noqa: E731  (the training requests' time)
     head_data.answer_requests(gen_model, corpus, prompter, args.work / "answers", count=args.answers, held=False,
-                              time_left=lambda: min(clock.before(args.answer_share), clock.left()), **answering)
+                              time_left=share, **answering)
     head_data.answer_requests(gen_model, corpus, prompter, args.work / "written", count=args.written, held=False,
-                              time_left=lambda: min(clock.before(args.answer_share), clock.left()), written=True,
-                              **(answering | {"max_new": args.write_new}))
+                              time_left=share, written=True, **(answering | {"max_new": args.write_new}))
     held_chats = head_data.read_chats(args.work / "held")[:args.held_chats]
     held_seqs = head_data.held_out(corpus, held_chats, args.window, args.held_windows)
     return (corpus, head_data.read_chats(args.work / "answers"), head_data.read_chats(args.work / "written"), held_seqs,
@@ -237,7 +238,7 @@ def start_head(args, target, reader: Reader, stream: head_data.Stream, ckpt: dic
         head.load_state_dict(ckpt["head"])
     elif args.init:
         head = load_head(args.init, target, torch.device("cpu"), torch.float32)
-        vocab_ids = torch.arange(len(head.d2t)) + head.d2t
+        vocab_ids = head_vocab(head)
     else:
         sample, _ = stream.take(Position(), args.vocab_sample)
         read = [labelled(reader, sample[i:i + args.batch], pad, args.device) for i in range(0, len(sample), args.batch)]
@@ -269,9 +270,7 @@ def run(args, target, prompter, pad: int, stop: tuple[int, ...], say=print, cloc
     read_dtype = dtype_of(args.read_dtype, device, lambda: models.prefill_dtype(target, "auto"))
     reader = Reader(target, read_dtype, args.topk)
     head, vocab_ids = start_head(args, target, reader, stream, ckpt, pad, stop)
-    to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
-    to_draft[vocab_ids] = torch.arange(len(vocab_ids))
-    to_draft = to_draft.to(device)
+    to_draft = draft_index(vocab_ids, target.config.vocab_size).to(device)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     state = {"step": 0, "tokens": 0, "minutes": 0.0, "pos": Position()}

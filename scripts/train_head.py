@@ -214,6 +214,18 @@ def make_head(target, vocab_ids: torch.Tensor) -> EagleHead:
     return head
 
 
+def head_vocab(head: EagleHead) -> torch.Tensor:
+    """The target ids of a head's draft vocabulary, in draft order (draft id d proposes target id d + d2t[d])."""
+    return torch.arange(len(head.d2t)) + head.d2t
+
+
+def draft_index(vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Target id -> draft id over the target's `vocab_size` ids (V,), -1 outside the draft vocabulary `vocab_ids`."""
+    to_draft = torch.full((vocab_size,), -1, dtype=torch.long)
+    to_draft[vocab_ids] = torch.arange(len(vocab_ids))
+    return to_draft
+
+
 def save_head(head: EagleHead, out: Path, record: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach()
@@ -239,13 +251,12 @@ def main(argv=None) -> None:
         p.requires_grad_(False)
     if args.init:
         head = load_head(args.init, target, torch.device("cpu"), torch.float32)
-        vocab_ids = torch.arange(len(head.d2t)) + head.d2t
+        vocab_ids = head_vocab(head)
     else:
         stops = prompting.stop_ids(tokenizer, target.generation_config)
         vocab_ids = draft_vocab(ids, mask, top_id, args.draft_vocab, target.config.vocab_size, stops)
         head = make_head(target, vocab_ids)
-    to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
-    to_draft[vocab_ids] = torch.arange(len(vocab_ids))
+    to_draft = draft_index(vocab_ids, target.config.vocab_size)
     n = ids.shape[0]
     order = list(range(n))
     rng = random.Random(args.seed)

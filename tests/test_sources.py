@@ -145,6 +145,10 @@ def test_a_chain_ended_at_its_confidence_floor_is_said_as_the_draft_being_unsure
     unsure = "the draft model was unsure of the next token (no token reached its confidence floor of 0.15)"
     assert unsure in text and "sat out" not in text
     assert ("lookup found no earlier occurrence" in text) == lookup
+    if lookup:  # lookup alone (no draft drafted) with a floor in its config: lookup's miss is the whole reason
+        alone = [replace(e, method="lookup", draft_layers=0) if isinstance(e, Started) else e for e in run]
+        text = words(step_html(alone, 3, decode))
+        assert "lookup found no earlier occurrence" in text and "unsure" not in text
 
 
 @pytest.mark.parametrize("step,who", [(1, "the draft model"), (4, "lookup")])

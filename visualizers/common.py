@@ -63,6 +63,12 @@ def has_draft(events: Sequence[Event]) -> bool:
     return began is not None and began.draft_layers > 0
 
 
+def confidence_floor(events: Sequence[Event]) -> float:
+    """The confidence floor the run's draft chain ended at (0: none, or no draft drafted in the run)."""
+    began = started(events)
+    return float(began.config.get("draft", {}).get("confidence_floor", 0.0)) if has_draft(events) else 0.0
+
+
 def prompt_ids(events: Sequence[Event]) -> tuple[int, ...]:
     began = started(events)
     return began.prompt_ids if began else ()

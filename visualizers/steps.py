@@ -12,12 +12,12 @@ import html
 from dataclasses import dataclass
 from typing import Sequence
 
-from specextend.events import Drafted, Event, Finished, Prefilled, Retrieved, Started, Verified
+from specextend.events import Drafted, Event, Finished, Prefilled, Retrieved, Verified
 from specextend.metrics import committed_curve, source_of
 
 from .common import (
-    STATUS_COLORS, Decode, draft_name, gate_reason, guessed_nodes, lookup_on, method_of, none_yet, of, proposed_by,
-    stop_reason,
+    STATUS_COLORS, Decode, confidence_floor, draft_name, gate_reason, guessed_nodes, lookup_on, method_of, none_yet,
+    of, proposed_by, stop_reason,
 )
 from .retrieval import changed
 
@@ -89,18 +89,13 @@ def _why_nothing(events: Sequence[Event], d: Drafted | None) -> str:
     missed = "lookup found no earlier occurrence of the newest tokens"
     if d.sat_out in SITTING_OUT:
         return f"{missed}, and {_sat_out(events, d)}"
-    floor = _floor(events)
+    floor = confidence_floor(events)
     unsure = (f"the {draft_name(events)} was unsure of the next token (no token reached its confidence floor of "
               f"{floor:g})") if floor else f"the {draft_name(events)} proposed no token"
     if lookup_on(events):
         return f"{missed}, and {unsure}" if floor else missed
     return unsure
 
-
-def _floor(events: Sequence[Event]) -> float:
-    """The draft's confidence floor in this run (0: none)."""
-    started = next((e for e in events if isinstance(e, Started)), None)
-    return float(started.config.get("draft", {}).get("confidence_floor", 0.0)) if started is not None else 0.0
 
 
 def _by_source(events: Sequence[Event], d: Drafted, accepted: Sequence[int]) -> str:
