@@ -20,6 +20,7 @@ Knows token ids, the corpus, shards and the target's `generate`; knows nothing o
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 from dataclasses import dataclass
@@ -73,6 +74,9 @@ TOPICS = (
     "a city council meeting", "a public library", "a marathon's logistics", "a music festival", "a theatre rehearsal",
 )
 HELD_TOPIC_EVERY = 8  # topic i is held out when i % HELD_TOPIC_EVERY == 0
+VOICES = ("", " Keep it under 150 words.", " Write it for a reader new to the subject.", " Write it for an expert.",
+          " Use a friendly tone.", " Use a formal tone.", " Include one concrete example.",
+          " Use a numbered list where it helps.")  # appended to a genre: the same genre and topic, another text
 
 # a prompt maker: (passage ids, instruction) -> the request's ids; the real one writes the target's chat template
 Prompter = Callable[[list[int], str], list[int]]
@@ -145,12 +149,23 @@ def request(corpus: Corpus, prompter: Prompter, seed: int, index: int, held: boo
     return prompter(passage, rng.choice(INSTRUCTIONS))
 
 
-def written_request(prompter: Prompter, seed: int, index: int, held: bool) -> list[int]:
-    """Written request `index` of a split (a genre and a topic of the split, no document): a pure function of its
-    arguments."""
-    rng = random.Random(f"write:{seed}:{'held' if held else 'train'}:{index}")
+@functools.lru_cache(maxsize=4)
+def written_instructions(seed: int, held: bool) -> tuple[str, ...]:
+    """Every instruction of a split (a genre, a topic of the split and a voice), in a seeded order: greedy answers
+    to the same instruction are the same text, so requests are drawn without replacement."""
     topics = [t for i, t in enumerate(TOPICS) if (i % HELD_TOPIC_EVERY == 0) == held]
-    return prompter([], rng.choice(GENRES).format(topic=rng.choice(topics)))
+    every = [g.format(topic=t) + v for t in topics for g in GENRES for v in VOICES]
+    random.Random(f"write:{seed}:{'held' if held else 'train'}").shuffle(every)
+    return tuple(every)
+
+
+def written_request(prompter: Prompter, seed: int, index: int, held: bool) -> list[int]:
+    """Written request `index` of a split (no document): a pure function of its arguments, distinct from every
+    other index of the split up to `len(written_instructions(seed, held))` (10,560 train, 1,536 held out)."""
+    every = written_instructions(seed, held)
+    if index >= len(every):
+        raise ValueError(f"written request {index}: the split has {len(every)} distinct instructions")
+    return prompter([], every[index])
 
 
 @torch.no_grad()
@@ -303,7 +318,7 @@ def summary(folder: Path) -> dict:
     corpus = Corpus(np.load(folder / "corpus.npy"))
     out = {"corpus_tokens": int(len(corpus.ids)),
            "held_blocks": sum(corpus.is_held(b) for b in range(corpus.blocks))}
-    for split in ("answers", "written", "held"):
+    for split in ("answers", "written", "held", "held-written"):
         chats = read_chats(folder / split)
         out[split] = {"requests": len(chats), "answer_tokens": sum(len(c.ids) - c.prompt_len for c in chats)}
     return out

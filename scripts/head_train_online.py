@@ -47,8 +47,9 @@ from specextend.heads import feature_streams, load_head
 
 CHECKPOINT = "checkpoint.pt"
 CURVE = "curve.jsonl"
+KINDS = ("plain", "chats", "written")  # the held-out rows' kinds, each one's agreement apart in the curve (held_agree_KIND)
 # fixed by a run's first command: the stream's order and the held-out set (so the curve stays one curve) depend on them
-STREAM_ARGS = ("seed", "window", "chat_share", "held_chats", "held_windows")
+STREAM_ARGS = ("seed", "window", "chat_share", "held_chats", "held_windows", "held_written")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -70,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--answer-share", type=float, default=0.3, help="most share of the budget spent answering")
     p.add_argument("--held-chats", type=int, default=32)
     p.add_argument("--held-windows", type=int, default=32)
+    p.add_argument("--held-written", type=int, default=0,
+                   help="written requests on held-out topics in the curve's held-out set, the target's texts")
     p.add_argument("--doc-tokens", type=int, default=320, help="most tokens of a passage in a request")
     p.add_argument("--max-new", type=int, default=128, help="most tokens of an answer")
     p.add_argument("--gen-batch", type=int, default=16)
@@ -147,11 +150,11 @@ def labelled(reader: Reader, seqs: list[list[int]], pad: int, device) -> dict:
 def evaluate(head, batches: list[dict], to_draft: torch.Tensor, unroll: int) -> dict:
     """On the held-out batches: each unrolled step's agreement with the target's argmax (tokens teacher-forced), and
     `chain`: the mean number of leading steps that agree, where all are defined (a chain's accepted tokens, as if
-    the tokens read were the target's own); where a batch marks its chat rows (`chat`, (B,) bool), the agreement
-    again over the chats (the target's own answers to requests) and over the plain windows apart."""
+    the tokens read were the target's own); where a batch gives its rows' kinds (`kind`, (B,): KINDS), the agreement
+    again over each kind apart."""
     was = head.training
     head.eval()
-    kinds = ("", "_chats", "_plain")
+    kinds = ("", *(f"_{k}" for k in KINDS))
     hits, counts = {k: [0.0] * unroll for k in kinds}, {k: [0] * unroll for k in kinds}
     chain, chained = 0.0, 0
     for batch in batches:
@@ -159,10 +162,10 @@ def evaluate(head, batches: list[dict], to_draft: torch.Tensor, unroll: int) -> 
         last = steps[-1][2].shape[1]
         lead = torch.ones_like(steps[-1][2], dtype=torch.float)
         run = torch.zeros_like(lead)
-        chat = batch.get("chat")
+        kind = batch.get("kind")
         for j, (_, hit, valid) in enumerate(steps):
-            rows = {"": valid} if chat is None else {"": valid, "_chats": valid & chat[:, None],
-                                                     "_plain": valid & ~chat[:, None]}
+            rows = {"": valid} if kind is None else {"": valid} | {
+                f"_{k}": valid & (kind == i)[:, None] for i, k in enumerate(KINDS)}
             for k, where in rows.items():
                 hits[k][j] += float(hit[where].sum())
                 counts[k][j] += int(where.sum())
@@ -208,23 +211,29 @@ class Clock:
 
 def prepare_data(args, target, prompter, pad: int, stop: tuple[int, ...], clock: Clock, say):
     """Phase 1: the held-out requests' answers, then the training requests' within their share of the budget.
-    Returns (corpus, answered chats, written chats, held-out sequences, how many of them (the first) are chats)."""
+    Returns (corpus, answered chats, written chats, held-out sequences, their kinds (KINDS' indices))."""
     corpus = head_data.load_corpus(args.work)
     gen_model = in_dtype(target, dtype_of(args.gen_dtype, torch.device(args.device),
                                           lambda: models.prefill_dtype(target, "auto")))
     answering = dict(seed=args.seed, doc_tokens=args.doc_tokens, max_new=args.max_new, stop=stop, pad=pad,
                      batch=args.gen_batch, shard=args.shard, say=say)
+    writing = answering | {"max_new": args.write_new}
     head_data.answer_requests(gen_model, corpus, prompter, args.work / "held", count=args.held_chats, held=True,
                               time_left=clock.left, **answering)
+    head_data.answer_requests(gen_model, corpus, prompter, args.work / "held-written", count=args.held_written,
+                              held=True, time_left=clock.left, written=True, **writing)
     share = lambda: min(clock.before(args.answer_share), clock.left())  # noqa: E731  (the training requests' time)
     head_data.answer_requests(gen_model, corpus, prompter, args.work / "answers", count=args.answers, held=False,
                               time_left=share, **answering)
     head_data.answer_requests(gen_model, corpus, prompter, args.work / "written", count=args.written, held=False,
-                              time_left=share, written=True, **(answering | {"max_new": args.write_new}))
+                              time_left=share, written=True, **writing)
     held_chats = head_data.read_chats(args.work / "held")[:args.held_chats]
-    held_seqs = head_data.held_out(corpus, held_chats, args.window, args.held_windows)
+    held_written = head_data.read_chats(args.work / "held-written")[:args.held_written]
+    held_seqs = head_data.held_out(corpus, held_chats + held_written, args.window, args.held_windows)
+    kinds = [KINDS.index("chats")] * len(held_chats) + [KINDS.index("written")] * len(held_written)
+    kinds += [KINDS.index("plain")] * (len(held_seqs) - len(kinds))
     return (corpus, head_data.read_chats(args.work / "answers"), head_data.read_chats(args.work / "written"), held_seqs,
-            len(held_chats))
+            kinds)
 
 
 def start_head(args, target, reader: Reader, stream: head_data.Stream, ckpt: dict | None, pad: int,
@@ -265,7 +274,7 @@ def run(args, target, prompter, pad: int, stop: tuple[int, ...], say=print, cloc
     for p in target.parameters():
         p.requires_grad_(False)
     torch.manual_seed(args.seed)  # a new head's initial weights
-    corpus, chats, written, held, held_chats = prepare_data(args, target, prompter, pad, stop, clock, say)
+    corpus, chats, written, held, held_kinds = prepare_data(args, target, prompter, pad, stop, clock, say)
     stream = head_data.Stream(corpus, chats, args.window, args.chat_share, args.seed, written)
     read_dtype = dtype_of(args.read_dtype, device, lambda: models.prefill_dtype(target, "auto"))
     reader = Reader(target, read_dtype, args.topk)
@@ -279,9 +288,8 @@ def run(args, target, prompter, pad: int, stop: tuple[int, ...], say=print, cloc
         state = {**ckpt["state"], "pos": Position(**ckpt["state"]["pos"])}
         torch.set_rng_state(ckpt["rng"]["torch"])
         random.setstate(ckpt["rng"]["python"])
-    held_batches = [labelled(reader, held[i:i + args.batch], pad, device) | {  # the held-out chats come first
-        "chat": torch.arange(i, min(i + args.batch, len(held)), device=device) < held_chats}
-        for i in range(0, len(held), args.batch)]
+    held_batches = [labelled(reader, held[i:i + args.batch], pad, device) | {
+        "kind": torch.tensor(held_kinds[i:i + args.batch], device=device)} for i in range(0, len(held), args.batch)]
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     step_dtype = dtype_of(args.step_dtype, device, lambda: models.prefill_dtype(target, "auto"))
     step_cast = torch.autocast(device.type, dtype=step_dtype, enabled=step_dtype != torch.float32)

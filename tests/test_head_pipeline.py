@@ -20,13 +20,15 @@ PAD = 0
 
 
 def prompter(passage: list[int], instruction: str) -> list[int]:
-    """A stand-in chat template: start, the passage, the instruction's number (a written request's: its genre's and
-    its topic's), end of turn."""
+    """A stand-in chat template: start, the passage, the instruction's number (a written request's: its genre's, its
+    topic's and its voice's), end of turn."""
     if instruction in head_data.INSTRUCTIONS:
         return [1, *passage, 2, 10 + head_data.INSTRUCTIONS.index(instruction), 3]
-    genre, topic = next((g, t) for g in head_data.GENRES for t in head_data.TOPICS if g.format(topic=t) == instruction)
+    genre, topic, voice = next((g, t, v) for g in head_data.GENRES for t in head_data.TOPICS for v in head_data.VOICES
+                               if g.format(topic=t) + v == instruction)
     number = head_data.TOPICS.index(topic)
-    return [1, *passage, 2, 30 + head_data.GENRES.index(genre), 45 + number // 40, 50 + number % 40, 3]
+    return [1, *passage, 2, 30 + head_data.GENRES.index(genre), 45 + number // 40, 50 + number % 40,
+            21 + head_data.VOICES.index(voice), 3]
 
 
 @pytest.fixture(scope="module")
@@ -137,21 +139,32 @@ def test_generate_train_checkpoint_resume_and_evaluate(tmp_path, target, corpus_
 
 
 def test_written_requests_keep_held_topics_apart_and_follow_the_answers_in_the_stream(tmp_path, target, corpus_ids):
-    topic = lambda ids: head_data.TOPICS[(ids[-3] - 45) * 40 + ids[-2] - 50]  # noqa: E731  (the stand-in's number)
-    train = [head_data.written_request(prompter, 0, i, held=False) for i in range(60)]
-    held = [head_data.written_request(prompter, 0, i, held=True) for i in range(60)]
-    assert train == [head_data.written_request(prompter, 0, i, held=False) for i in range(60)]  # pure
+    topic = lambda ids: head_data.TOPICS[(ids[-4] - 45) * 40 + ids[-3] - 50]  # noqa: E731  (the stand-in's number)
+    every = len(head_data.written_instructions(0, held=False))
+    train = [head_data.written_request(prompter, 0, i, held=False) for i in range(every)]
+    held = [head_data.written_request(prompter, 0, i, held=True) for i in range(400)]
+    assert train[:60] == [head_data.written_request(prompter, 0, i, held=False) for i in range(60)]  # pure
+    assert len({tuple(p) for p in train}) == every == 10_560  # drawn without replacement: no text written twice
     assert not {topic(p) for p in train} & {topic(p) for p in held}  # no held-out topic is trained on
     assert all(head_data.TOPICS.index(topic(p)) % head_data.HELD_TOPIC_EVERY == 0 for p in held)
-    assert all(len(p) == 6 for p in train)  # no document: start, end of passage, genre, topic (two ids), end
+    assert len({p[-3] for p in train[:100]}) > 30 and len({p[-2] for p in train[:100]}) == len(head_data.VOICES)
+    assert all(len(p) == 7 for p in train)  # no document: start, end of passage, genre, topic (two ids), voice, end
+    with pytest.raises(ValueError, match="distinct"):
+        head_data.written_request(prompter, 0, every, held=False)
 
     work = work_folder(tmp_path / "w", corpus_ids)
     say = lambda _: None  # noqa: E731
-    record = head_train_online.run(arguments(work, steps=4, answers=2, written=4, write_new=3), target, prompter, PAD,
-                                   STOP, say)
+    record = head_train_online.run(arguments(work, steps=4, answers=2, written=4, write_new=3, held_written=2), target,
+                                   prompter, PAD, STOP, say)
     written = head_data.read_chats(work / "written")
     assert [c.ids[:c.prompt_len] for c in written] == train[:4] and all(len(c.ids) - c.prompt_len <= 3 for c in written)
     assert record["data"]["written"]["requests"] == 4 and record["data"]["answers"]["requests"] == 2
+    held_written = head_data.read_chats(work / "held-written")  # the curve reads the target's texts on held-out topics
+    assert [c.ids[:c.prompt_len] for c in held_written] == held[:2] and record["data"]["held-written"]["requests"] == 2
+    last = curve(work)[-1]  # each kind apart: the whole set's agreement lies between the kinds'
+    kinds = [last[f"held_agree_{k}"] for k in head_train_online.KINDS]
+    assert all(len(k) == 5 for k in kinds) and all(min(ks) - 1e-4 <= a <= max(ks) + 1e-4
+                                                   for a, *ks in zip(last["held_agree"], *kinds))
     # 12 items at half chats: the 2 answered requests first, then the 4 written ones
     assert record["data"]["position"] == {"item": 12, "chat": 2, "plain": 6, "written": 4}
     # answers added on a resume are read next, and no written chat is read twice
