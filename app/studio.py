@@ -1,6 +1,7 @@
 """The Studio's handlers: what each click on the page does, answered in `app.updates`' plain values (never gradio's).
-Run (a method and its race on a document or a short prompt), replay a trace, Stop, the needle race, the queue's word
-before a click's turn, the sample, prompt, upload and workload pickers, the document readout, and the trace export;
+Run (a method and its race on a document or a short prompt) and its check at the click, replay a trace, Stop, the
+needle race, the queue's word before a click's turn, the sample, prompt, upload and workload pickers, the document
+readout, and the trace export;
 stepping through a finished run is `app.stepping`'s. Generation runs in a background thread per click (`Job`) and
 the panels are redrawn from snapshots, throttled so drawing costs generation at most a few percent.
 Knows the settings, the pair cache, sessions, the panels and the trace format; knows nothing of gradio or of the
@@ -37,7 +38,7 @@ from .runner import Job, Knobs, Recent, RedrawMeter, build_config, replay, servi
 from .settings import Settings
 from .stepping import Stepping
 from .trace import TraceError, dumps, loads
-from .updates import KEEP, Figure, Update, figure
+from .updates import KEEP, Figure, Halt, Update, figure
 
 log = logging.getLogger(__name__)
 
@@ -222,17 +223,9 @@ class Studio(Stepping):
         length k of None is the serving device's (runner.serving_chain), as the page's knob starts."""
         state.stop()
         try:
-            text = documents.check_text(document, self.settings.max_document_chars)
-            if not task or not task.strip():
-                raise ValueError("The task is empty: say what to do with the document (for example, summarize it).")
-            if workload not in {value for _, value in WORKLOADS}:
-                raise ValueError(f"the workload is 'document' (a long input) or 'long_output', got {workload!r}")
-            if workload == "document":
-                documents.check_long_input(text)
-            choice = self.settings.pair(pair) if pair else self.settings.default
-            knobs = Knobs(max_new_tokens, chunk_size, top_k, retrieve_every, shape, serving_chain() if k is None else k,
-                          max_depth, node_budget, temperature, seed, lookup, signal)
-            build_config(method, knobs, (), self.settings.max_new_tokens, lookup=True)  # refuse nonsense before loading
+            text, choice, knobs = self._request(document, task, pair, method, (
+                max_new_tokens, chunk_size, top_k, retrieve_every, shape, k, max_depth, node_budget, temperature, seed,
+                lookup, signal), workload)
         except ValueError as exc:
             yield self._refused(state, str(exc))
             return
@@ -255,6 +248,44 @@ class Studio(Stepping):
         self.generations.append(state.job)
         yield from self._stream(state.job, self._main_draw(method), {"pair": choice.label, "task": task, "primary": method,
                                                                      "workload": workload}, chart_every)
+
+    def check(self, state: SessionState, document: str, task: str, pair: str | None, method: str, race: Any,
+              chart_every: Any, *values: Any) -> tuple:
+        """Run's click at once, outside the queue (the inputs as `run` gets them, the knobs' values then the
+        workload): a request refused before any model loads is answered now, its status and every panel (so it never
+        waits for a turn behind other tabs' runs, and the click goes no further: `state.refusal`); else the queue's
+        word (`queued`), the panels kept."""
+        job = state.job
+        if job is None or job.done.is_set():
+            try:
+                self._request(document, task, pair, method, values[:len(KNOB_NAMES)], *values[len(KNOB_NAMES):])
+            except ValueError as exc:
+                return self._refused(state, str(exc))
+            state.refusal = ""
+        return self.queued(state), *([KEEP] * 9)
+
+    @staticmethod
+    def go_on(state: SessionState) -> Halt | None:
+        """Between Run's `check` and its queued run: the click goes no further where the check refused it."""
+        return Halt(state.refusal) if state is not None and state.refusal else None
+
+    def _request(self, document: str, task: str, pair: str | None, method: str, knob_values: tuple,
+                 workload: str = "document") -> tuple[str, Any, Knobs]:
+        """A click's request checked before any model loads (ValueError: why it is refused): the document's text,
+        the pair chosen and the knobs (`knob_values` in KNOB_NAMES' order; a chain length k of None is the serving
+        device's, runner.serving_chain)."""
+        text = documents.check_text(document, self.settings.max_document_chars)
+        if not task or not task.strip():
+            raise ValueError("The task is empty: say what to do with the document (for example, summarize it).")
+        if workload not in {value for _, value in WORKLOADS}:
+            raise ValueError(f"the workload is 'document' (a long input) or 'long_output', got {workload!r}")
+        if workload == "document":
+            documents.check_long_input(text)
+        choice = self.settings.pair(pair) if pair else self.settings.default
+        given = dict(zip(KNOB_NAMES, knob_values))
+        knobs = Knobs(**given | {"k": serving_chain() if given["k"] is None else given["k"]})
+        build_config(method, knobs, (), self.settings.max_new_tokens, lookup=True)  # refuse nonsense before loading
+        return text, choice, knobs
 
     def replay(self, state: SessionState, trace: str | None, pace: str = "instant",
                chart_every: str | float | None = None) -> Iterator[tuple]:

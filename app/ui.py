@@ -23,7 +23,7 @@ from .runner import Knobs
 from .settings import Settings
 from .stepping import PLAY
 from .studio import DEFAULT_TASK, KNOB_NAMES, READY, WORKLOADS, SessionState, Studio
-from .updates import Figure, Keep, Update
+from .updates import Figure, Halt, Keep, Update
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +144,8 @@ def gradio_value(value: Any) -> Any:
 
 
 def gradio_answer(answer: Any) -> Any:
+    if isinstance(answer, Halt):  # gradio ends a chain of events where one raises; not shown (the page says why)
+        raise gr.Error(answer.reason, visible=False, print_exception=False)
     return tuple(map(gradio_value, answer)) if isinstance(answer, tuple) else gradio_value(answer)
 
 
@@ -363,9 +365,8 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
         for source in (document, pair):
             source.change(wired(studio.document_info), [document, pair], doc_info, queue=False, trigger_mode="always_last",
                           show_progress="hidden", api_visibility="private")
-        for button, own, said in ((run_btn, state, status), (n_run, n_state, n_status)):
-            # at once, outside the queue: that this tab's run still goes, or whether the click waits and how long
-            button.click(wired(studio.queued), own, said, queue=False, api_visibility="private", show_progress="hidden")
+        # at once, outside the queue: that this tab's run still goes, or whether the click waits and how long
+        n_run.click(wired(studio.queued), n_state, n_status, queue=False, api_visibility="private", show_progress="hidden")
         stepper_after = dict(fn=wired(studio.stepper), inputs=state,
                              outputs=[stepper, step_run, step, step_info, download], queue=False,
                              api_visibility="private", show_progress="hidden")
@@ -374,9 +375,14 @@ def build_app(factory: EngineFactory = real_factory, settings: Settings | None =
         hide_stepper = dict(fn=wired(studio.hide_stepper), inputs=None,
                             outputs=[stepper, timer, play_btn, playing, download], queue=False,
                             api_visibility="private", show_progress="hidden")
+        request = [state, document, task, pair, method, race, charts, *knobs, workload]
+        # Run's click: checked at once outside the queue (a refusal is answered there and goes no further, never
+        # waiting behind other tabs' runs; else the queue's word), then queued
         run_btn.click(**hide_stepper).then(
-            wired(studio.run), [state, document, task, pair, method, race, charts, *knobs, workload], outputs,
-            api_name="run", concurrency_limit=settings.concurrency, concurrency_id="generate", show_progress="minimal",
+            wired(studio.check), request, outputs, queue=False, api_visibility="private", show_progress="hidden",
+        ).then(wired(studio.go_on), state, None, queue=False, api_visibility="private", show_progress="hidden").success(
+            wired(studio.run), request, outputs, api_name="run", concurrency_limit=settings.concurrency,
+            concurrency_id="generate", show_progress="minimal",
         ).then(wired(studio.document_info), [document, pair], doc_info, queue=False, show_progress="hidden",
                api_visibility="private",  # the exact token count, now that the model is loaded
                ).then(**stepper_after)

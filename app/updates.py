@@ -7,6 +7,8 @@
 - `Update`: change some of the widget's properties (show or hide it, set a slider's range, relabel a box, start or
   stop a timer), and its value with them where `value` is given.
 
+A handler with no widget to answer may answer `Halt`: the click's chain of events ends there.
+
 Knows nothing of gradio, of what a figure shows, or of the engine.
 """
 
@@ -49,6 +51,14 @@ class Update:
     def changes(self) -> dict[str, Any]:
         """The properties this update sets, by name."""
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+@dataclass(frozen=True)
+class Halt:
+    """End the click's chain of events here, silently: the events chained after this one do not run (the page
+    already says why: `reason`)."""
+
+    reason: str
 
 
 def figure(spec: dict[str, Any] | None) -> Figure | Keep:

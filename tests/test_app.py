@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import replace
+from dataclasses import astuple, replace
 from pathlib import Path
 
 import pytest
@@ -22,6 +22,7 @@ from app import Settings, build_app, documents, launch
 from app.runner import Knobs, build_config
 from app.settings import BUNDLED, BUNDLED_DRAFT_MODEL, parse_pairs
 from app.trace import TraceError, loads
+from app.updates import KEEP
 from app.studio import DEFAULT_TASK
 from specextend.events import Retrieved
 
@@ -486,6 +487,33 @@ def test_a_click_that_must_wait_is_told_how_long():
     studio.generations.append(Job([], None, None, began=now - 20))  # running for 20 s
     status = html.unescape(studio.queued())
     assert "1 run(s) in progress" in status and "about 50 s" in status and "free in about 30 s" in status
+
+
+def test_a_refused_click_is_answered_at_once_and_goes_no_further():
+    """Run's click is checked outside the queue: an empty document is refused there, while another tab's run holds
+    the only slot, with the panels cleared and the click's chain ended (`go_on`); a valid click gets the queue's word
+    and goes on to its queued run."""
+    import gradio as gr
+
+    from app.studio import SessionState, Studio
+    from app.ui import gradio_answer
+
+    studio = Studio(fake_factory(step_s=0.02), Settings(concurrency=1))
+    other = SessionState()
+    stream = studio_run(studio, other, max_new_tokens=120)
+    next(stream)  # the other tab's run holds the slot
+    state, click = SessionState(), (DEFAULT_TASK, BUNDLED, "specextend", [], "0", *astuple(Knobs()), "document")
+    refused = studio.check(state, " ", *click)
+    assert "The document is empty" in refused[1] and "Nothing was generated" in refused[2] and refused[-1] is None
+    with pytest.raises(gr.Error):  # the chain ends: gradio runs no event chained after one that raised
+        gradio_answer(studio.go_on(state))
+    waiting = studio.check(state, DOC, *click)
+    assert "Waiting for a free slot" in html.unescape(waiting[0]) and all(v is KEEP for v in waiting[1:])
+    assert studio.go_on(state) is None  # the click goes on to its queued run
+    nonsense = studio.check(state, DOC, *click[:5], *astuple(Knobs(top_k=-3)), "document")
+    assert "top_k" in nonsense[1] or "chunks" in nonsense[1], nonsense[1]
+    other.stop()
+    list(stream)
 
 
 def test_the_app_stops_where_the_cli_stops():

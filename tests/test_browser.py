@@ -415,6 +415,24 @@ def wait_status(page, words: str, timeout: int = 60_000) -> None:
 
 
 @pytest.mark.parametrize("engine", [ENGINE])
+def test_a_refused_click_does_not_wait_behind_another_tabs_run(studio_url, browser, engine):
+    """The server runs one generation at a time; while one tab's run holds that slot, another tab's Run on an empty
+    document is refused at once: its refusal shows while the first run is still going, not after it."""
+    url, _ = studio_url
+    running, refused = new_page(browser, url), new_page(browser, url)
+    running.click("#run")
+    wait_status(running, "SpecExtend", timeout=300_000)  # its first run has begun (the model loaded, if it had to)
+    refused.fill("#document textarea", "")
+    refused.click("#run")
+    wait_status(refused, "The document is empty")
+    assert "Done." not in running.inner_text("#status")  # the first run still holds the slot
+    running.click("#stop")
+    wait_status(running, "Stopped, as asked", timeout=120_000)
+    running.close()
+    refused.close()
+
+
+@pytest.mark.parametrize("engine", [ENGINE])
 def test_a_fresh_page_runs_on_its_defaults_and_stop_leaves_nothing_stale(studio_url, browser, engine):
     """Opened, the page has a sample chosen and counted; Run on the defaults starts the race (it answered "The
     document is empty"); Stop in its first run leaves every panel saying what happened: nothing waits, the speed table
