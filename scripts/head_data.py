@@ -235,8 +235,9 @@ def answer_requests(model, corpus: Corpus, prompter: Prompter, folder: Path, *, 
                     written: bool = False) -> int:
     """Answer requests of a split (`written`: written requests, else chat requests about the corpus) until `folder`
     holds `count` or `time_left()` runs out, `shard` requests a shard, resuming after the last one stored. Returns how
-    many `folder` holds."""
+    many `folder` holds (written requests: at most the split's distinct ones, `written_instructions`)."""
     done = len(read_chats(folder))
+    count = min(count, len(written_instructions(seed, held))) if written else count
     note = {"seed": seed, "held": held, "written": written, "doc_tokens": doc_tokens, "max_new": max_new,
             "dtype": str(next(model.parameters()).dtype), "device": str(next(model.parameters()).device)}
     while done < count and time_left() > 0:

@@ -24,7 +24,7 @@ import torch
 from specextend.tools import bundled
 from specextend.tools.bench import make_inputs, run_engine
 from specextend.tools.prompting import DEFAULT_INSTRUCTION, stop_ids
-from specextend.config import LookupConfig, preset
+from specextend.config import DraftConfig, LookupConfig, default_chain, preset
 from specextend.models import load_pair, read_tokenizer
 
 
@@ -36,6 +36,9 @@ def main(argv=None) -> int:
                    "(to check on text nobody tuned for)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--k", type=int, default=default_chain("cpu"),
+                   help="the draft model's chain length (default: the CPU's, config.default_chain; the figures in "
+                        "docs/RESULTS.md taken before the CPU default was a chain of 2 drafted chains of 4: --k 4)")
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=LookupConfig().adaptive,
                    help="lookup's adaptive branch length in every lookup method")
     p.add_argument("--settings", action="store_true",
@@ -48,7 +51,8 @@ def main(argv=None) -> int:
     target, draft = bundled.target_dir(), bundled.draft_dir()  # the distilled draft model
     tokenizer = read_tokenizer(target)
     pair = load_pair(target, draft, "cpu", "float32", tokenizer)
-    base = dict(max_new_tokens=args.max_new_tokens, eos_token_ids=stop_ids(tokenizer, pair.target))
+    base = dict(max_new_tokens=args.max_new_tokens, eos_token_ids=stop_ids(tokenizer, pair.target),
+                draft=DraftConfig(k=args.k))
     lk = LookupConfig(adaptive=args.adaptive)
     fixed = LookupConfig(min_ngram=3, adaptive=False)
     configs = {

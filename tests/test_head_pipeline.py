@@ -207,3 +207,14 @@ def test_a_run_out_of_time_still_writes_its_curve_checkpoint_and_head(tmp_path, 
     assert len(curve(work)) == 1 and (work / head_train_online.CHECKPOINT).is_file()
     assert curve(work)[0]["held_positions"] == 3 * 23  # three held-out windows of 24 tokens, 23 positions each
     assert load_head(work / "head", target, torch.device("cpu"), torch.float32) is not None
+
+
+def test_written_requests_stop_at_the_splits_distinct_instructions(tmp_path, target, corpus_ids, monkeypatch):
+    """Asked for more written requests than a split has distinct instructions, the target answers each once."""
+    few = head_data.written_instructions(0, held=False)[:3]
+    monkeypatch.setattr(head_data, "written_instructions", lambda seed, held: few)
+    done = head_data.answer_requests(target, head_data.Corpus(corpus_ids), prompter, tmp_path / "written", count=5,
+                                     held=False, seed=0, doc_tokens=12, max_new=3, stop=STOP, pad=PAD, batch=4, shard=2,
+                                     say=lambda _: None, written=True)
+    chats = head_data.read_chats(tmp_path / "written")
+    assert done == len(chats) == 3 and len({tuple(c.ids[:c.prompt_len]) for c in chats}) == 3
