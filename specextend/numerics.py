@@ -5,8 +5,9 @@
   hands `mkldnn._linear_pointwise`); a product rounds its input to bf16, accumulates in fp32 inside the kernel, and
   rounds its output to bf16, handed back in the input's dtype. Norms, RoPE, attention, the residual stream and the
   KV cache stay fp32. A step reads half the weight bytes. A row gets the same bits alone as among others (fp32 GEMMs
-  do not): the packed kernel does for products up to 1,024 inputs wide, and wider ones (the bundled target's
-  1,536-wide down-projection, where it did not) run in parts of at most PART_WIDTH inputs, summed in fp32. Any
+  do not): the packed kernel does for products up to 1,024 inputs wide and 32 rows, and wider ones (the bundled
+  target's 1,536-wide down-projection, where it did not) run in parts of at most PART_WIDTH inputs, summed in fp32,
+  taller ones up to a verification's most rows in blocks of ROW_BLOCK rows (AMX CPUs changed kernels past 32). Any
   difference between a row alone and in a verification is rounded up to whole bf16 steps at the next product and
   moves logits by tenths, enough to flip near-ties, so this is what keeps every method's greedy output equal.
 - "bf16-kv": "bf16" and the KV cache in bf16: keys and values are rounded as they are written, and attention runs
@@ -27,7 +28,7 @@ import weakref
 
 import torch
 
-from .config import NUMERICS, NUMERICS_CHOICES
+from .config import MAX_DRAFT, NUMERICS, NUMERICS_CHOICES
 from .models import SkinnyLinear
 
 # what "auto" picks for an fp32 model on a CPU that packs: its autoregressive step at a 7.5K-token input took 40.9 ms
@@ -83,6 +84,15 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 PART_WIDTH = 576
 
 
+# On a CPU with AMX (amx_bf16), the packed product gave a row the same bits alone as among up to 32 rows, but not
+# among 33 or more (most row counts from 33 to 79 had rows that differed, at every shape of the bundled target; on
+# AVX-512 BF16 CPUs without AMX no count did), so a product over more rows, up to a verification's most, runs in blocks
+# of ROW_BLOCK rows. A longer product is a prompt's read, which every method reads alike: it runs whole (blocks of 32
+# rows took 1.7-2.9x as long over 2,048 rows)
+ROW_BLOCK = 32
+VERIFY_ROWS = MAX_DRAFT + 1  # a verification's most rows: the draft tokens and the committed token before them
+
+
 def parts(width: int) -> int:
     """How many equal parts a product over `width` inputs runs in (the last may be narrower)."""
     return -(-width // PART_WIDTH)
@@ -111,14 +121,22 @@ class PackedLinear(SkinnyLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # 0.4 s instead of 0.3 ms for the head's 8,192-row output layer
         if self.packed is None or x.device.type != "cpu":
             return super().forward(x)
-        xb, step = x.to(torch.bfloat16), part_width(self.in_features)
-        out = None
-        for i, part in enumerate(self.packed):  # (..., out) each, rounded to bf16, summed in fp32
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (rows, in)
+        if ROW_BLOCK < len(rows) <= VERIFY_ROWS:
+            out = torch.cat([self._product(rows[i : i + ROW_BLOCK]) for i in range(0, len(rows), ROW_BLOCK)])
+        else:
+            out = self._product(rows)
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)  # (..., out)
+
+    def _product(self, rows: torch.Tensor) -> torch.Tensor:
+        """(rows, in) bf16 -> (rows, out) fp32: one packed product per part, each rounded to bf16, summed in order."""
+        step, out = part_width(self.in_features), None
+        for i, part in enumerate(self.packed):
             bias = self.packed_bias if i == 0 else None
-            y = torch.ops.mkldnn._linear_pointwise(xb[..., i * step : (i + 1) * step].contiguous(), part, bias, "none", [],
-                                                   "").float()
+            y = torch.ops.mkldnn._linear_pointwise(rows[:, i * step : (i + 1) * step].contiguous(), part, bias, "none",
+                                                   [], "").float()
             out = y if out is None else out.add_(y)
-        return out.to(x.dtype)  # (..., out)
+        return out
 
 
 def apply(model: torch.nn.Module, setting: str) -> torch.nn.Module:

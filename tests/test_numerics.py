@@ -56,16 +56,17 @@ def test_fp32_gives_each_linear_the_class_it_had_before_packing():
     assert not {"packed", "packed_bias", "unpacked"} & vars(model[0]).keys()
 
 
-@pytest.mark.parametrize("shape", [(576, 576), (192, 576), (1536, 576), (576, 1536)])  # the bundled target's
+@pytest.mark.parametrize("shape", [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)])  # the bundled target's
 def test_a_packed_product_gives_a_row_the_same_bits_alone_as_among_others(shape):
     """What keeps greedy output equal across methods in bf16: a verification's rows computed as the autoregressive
     step computes each alone. The 1,536-wide down-projection runs in parts (numerics.PART_WIDTH); in one product,
-    1-3 rows in 2-33 got other bits (measured on the bundled target's weights)."""
+    1-3 rows in 2-33 got other bits (measured on the bundled target's weights). On an AMX CPU rows from 33 on got other
+    bits at every shape, so taller products up to a verification's most rows run in blocks (numerics.ROW_BLOCK)."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(shape[1], shape[0], bias=False)
     numerics.apply(torch.nn.Sequential(linear), "bf16")
     assert len(linear.packed) == numerics.parts(shape[1]) and (shape[1] <= numerics.PART_WIDTH) == (len(linear.packed) == 1)
-    for rows in [*range(2, 18), 33]:
+    for rows in [*range(2, 18), 32, 33, 47, 64, 100, numerics.VERIFY_ROWS]:
         for _ in range(2):
             x = torch.randn(rows, shape[1]) * torch.rand(rows, shape[1]) * 3  # heavy tails: more roundings at stake
             together = linear(x)
