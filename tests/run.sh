@@ -30,4 +30,7 @@ fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
 export HF_HUB_OFFLINE=1 GRADIO_ANALYTICS_ENABLED=False
 .venv/bin/ruff check --quiet .
-exec .venv/bin/python -m pytest -q "$@"
+# Test files run on up to 4 workers (pytest-xdist; one per core), each file whole on one worker so that its module
+# fixtures load once; conftest.py pins each worker's torch to one thread. TEST_WORKERS=0 runs them in this process.
+WORKERS=${TEST_WORKERS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}
+exec .venv/bin/python -m pytest -q -n "$WORKERS" --dist loadfile "$@"

@@ -574,6 +574,7 @@ def test_every_symbol_the_page_writes_has_a_glyph_in_the_machines_fonts(studio_u
     page = browser.new_page()
     page.goto(studio_url[0])
     page.wait_for_selector("#run")
+    page.wait_for_selector("#output")  # the page draws its parts one after another: on a busy machine #run came first
     assert page.locator("#output").count() == page.locator("#run").count() == 1
     assert page.evaluate(MISSING_GLYPHS, {"output": "⏹⏸"}) == ["output: ⏹ U+23f9", "output: ⏸ U+23f8"]  # it finds them
     assert not page.evaluate(MISSING_GLYPHS, {"output": "".join(chars), "run": "".join(chars)})
