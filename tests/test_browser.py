@@ -113,7 +113,7 @@ def test_a_race_draws_every_panel(studio_url, browser, engine):
     pick_sample(page, DOCUMENT_CHARS)
     page.get_by_role("checkbox", name="the target alone (also checks exactness)").uncheck()
     page.get_by_text("Knobs").click()
-    set_number(page, "#max-new input[type=number]", max_new)
+    set_number(page, "#max-new input[type=number]", 4 * max_new)  # long enough to be going when Run is clicked again
     page.click("#run")
     page.wait_for_function("document.querySelector('#stepper') === null || "
                            "!document.querySelector('#stepper').checkVisibility()")
@@ -121,7 +121,7 @@ def test_a_race_draws_every_panel(studio_url, browser, engine):
     page.wait_for_function("(s => s.length > 0 && !s.startsWith('Ready') && !s.startsWith('Starting'))"
                            "(document.querySelector('#status').innerText)", timeout=120_000)
     page.click("#run")  # again, while the run goes: the page says so, and the run goes on
-    page.wait_for_function("document.querySelector('#status').innerText.includes('A run is going')", timeout=30_000)
+    page.wait_for_function("document.querySelector('#status').innerText.includes('A run is going')", timeout=120_000)  # a busy machine answers late
     page.wait_for_function("document.querySelector('#status').innerText.includes('Done.')", timeout=900_000)
     assert "se-bad" not in page.inner_html("#status"), page.inner_text("#status")
     assert "A run is going" not in page.inner_text("#status")
