@@ -120,8 +120,8 @@ def test_a_race_draws_every_panel(studio_url, browser, engine):
     # the run has begun (its own progress replaced the click's "Starting"): on a busy machine the queue can take a while
     page.wait_for_function("(s => s.length > 0 && !s.startsWith('Ready') && !s.startsWith('Starting'))"
                            "(document.querySelector('#status').innerText)", timeout=120_000)
-    page.click("#run")  # again, while the run goes: the page says so, and the run goes on
-    page.wait_for_function("document.querySelector('#status').innerText.includes('A run is going')", timeout=120_000)  # a busy machine answers late
+    page.click("#run")  # again, while the run goes: the page says so (a busy machine answers late), and the run goes on
+    page.wait_for_function("document.querySelector('#status').innerText.includes('A run is going')", timeout=120_000)
     page.wait_for_function("document.querySelector('#status').innerText.includes('Done.')", timeout=900_000)
     assert "se-bad" not in page.inner_html("#status"), page.inner_text("#status")
     assert "A run is going" not in page.inner_text("#status")
