@@ -25,8 +25,9 @@ NUMERICS: tuple[str, ...] = ("fp32", "bf16", "bf16-kv")
 NUMERICS_CHOICES = ("auto", *NUMERICS)  # what an operator or a command line may ask for: "auto" is numerics.choose's
 
 
-MAX_DRAFT = 256  # the most draft tokens (and tree levels, branches, children) one step may have: a verification
-# of more costs memory and time no speculative step pays back
+MAX_DRAFT = 256  # the most draft tokens (and tree levels, branches, children, lookup tokens) one step may send the
+# target: a verification of more costs memory and time no speculative step pays back, and bf16 numerics' exactness is
+# measured up to it (numerics.VERIFY_ROWS)
 MAX_CHUNK = 65_536  # the largest chunk and the most chunks a working cache may have
 
 
@@ -255,10 +256,10 @@ class LookupConfig:
     def __post_init__(self) -> None:
         if self.min_ngram < 1 or self.max_ngram < self.min_ngram:
             raise ValueError(f"lookup n-grams need 1 <= min_ngram <= max_ngram, got {self.min_ngram}..{self.max_ngram}")
-        if self.max_tokens < 1:
-            raise ValueError(f"lookup max_tokens must be at least 1, got {self.max_tokens}")
-        if self.branches < 1:
-            raise ValueError(f"lookup branches must be at least 1, got {self.branches}")
+        if not 1 <= self.max_tokens <= MAX_DRAFT:
+            raise ValueError(f"lookup max_tokens must be from 1 to {MAX_DRAFT}, got {self.max_tokens}")
+        if not 1 <= self.branches <= MAX_DRAFT:
+            raise ValueError(f"lookup branches must be from 1 to {MAX_DRAFT}, got {self.branches}")
         if self.rank not in ("recent", "frequent", "first"):
             raise ValueError(f"lookup rank must be 'recent', 'frequent' or 'first', got {self.rank!r}")
         if self.with_draft not in ("always", "on_miss"):
@@ -347,6 +348,11 @@ class GenerationConfig:
                              "sit in other cache slots than the tokens it commits, attention's sums depend on the slot, "
                              "and bf16 rounding turns that into other tokens; draft a chain (one lookup branch, lookup "
                              "only on a draft miss), or use numerics fp32")
+        if self.branching and self.tree_budget > MAX_DRAFT:  # a chain is one proposer's: within MAX_DRAFT by its own checks
+            drafted = self.draft.budget if self.uses_draft else 0
+            raise ValueError(f"one step can send the target at most {MAX_DRAFT} draft tokens; these proposals side by side "
+                             f"can send {self.tree_budget} (the draft's {drafted} and {self.lookup.branches} lookup "
+                             f"branches of {self.lookup.max_tokens})")
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
 
     @property

@@ -90,7 +90,8 @@ PART_WIDTH = 576
 # of ROW_BLOCK rows. A longer product is a prompt's read, which every method reads alike: it runs whole (blocks of 32
 # rows took 1.7-2.9x as long over 2,048 rows)
 ROW_BLOCK = 32
-VERIFY_ROWS = MAX_DRAFT + 1  # a verification's most rows: the draft tokens and the committed token before them
+VERIFY_ROWS = MAX_DRAFT + 1  # a verification's most rows: the draft tokens and the committed token before them (bf16
+# numerics verify one chain, which config bounds by MAX_DRAFT)
 
 
 def parts(width: int) -> int:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from conftest import VOCAB, reference_greedy
 from specextend import events as ev
-from specextend.config import DraftConfig, GenerationConfig, LookupConfig, RetrievalConfig, preset
+from specextend.config import MAX_DRAFT, DraftConfig, GenerationConfig, LookupConfig, RetrievalConfig, preset
 from specextend.drafting import DraftTree
 from specextend.lookup import graft
 from specextend.engine import generate
@@ -284,6 +284,17 @@ def test_lookup_settings_are_checked():
         LookupConfig(min_ngram=3, max_ngram=2)
     with pytest.raises(ValueError, match="max_tokens"):
         LookupConfig(max_tokens=0)
+    with pytest.raises(ValueError, match="max_tokens"):  # a longer branch would verify more rows than bf16 numerics
+        LookupConfig(max_tokens=MAX_DRAFT + 1)  # are exact for (numerics.VERIFY_ROWS)
+    with pytest.raises(ValueError, match="branches"):
+        LookupConfig(branches=MAX_DRAFT + 1)
+    with pytest.raises(ValueError, match=f"at most {MAX_DRAFT} draft tokens"):  # branches side by side add up
+        preset("lookup", lookup=LookupConfig(branches=2, max_tokens=MAX_DRAFT // 2 + 1))
+    with pytest.raises(ValueError, match=f"at most {MAX_DRAFT} draft tokens"):
+        preset("specextend", draft=DraftConfig(shape="tree", node_budget=MAX_DRAFT),
+               lookup=LookupConfig(enabled=True, with_draft="always", max_tokens=1))
+    longest = preset("specextend", draft=DraftConfig(k=MAX_DRAFT), lookup=LookupConfig(enabled=True, max_tokens=MAX_DRAFT))
+    assert not longest.branching  # lookup's chain or the draft's, never both in one step: each within MAX_DRAFT
     with pytest.raises(ValueError, match="rank"):
         LookupConfig(rank="best")
     with pytest.raises(ValueError, match="target alone"):

@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import VOCAB, tiny
+from specextend import events as ev
 from specextend import numerics
-from specextend.config import AttentionConfig, DraftConfig, LookupConfig, RetrievalConfig, preset
+from specextend.config import MAX_DRAFT, AttentionConfig, DraftConfig, LookupConfig, RetrievalConfig, preset
 from specextend.engine import generate
 from specextend.models import SkinnyLinear, make_pair
 
@@ -97,6 +98,21 @@ def test_every_method_equals_the_target_alone_in_its_numerics(pair, setting, pro
         config = preset(method, max_new_tokens=N_NEW, retrieval=RETRIEVAL, attention=attention)
         assert list(list(generate(pair, prompt, config))[-1].token_ids) == alone, (setting, method)
     assert greedy(pair, prompt, "autoregressive", "fp32") == fp32  # fp32 after a bf16 run: as before it
+
+
+def test_verifications_taller_than_a_row_block_equal_the_target_alone_in_bf16_kv(pair):
+    """Lookup branches of up to MAX_DRAFT tokens (no adaptive shortening) on a prompt that repeats itself: the target
+    verifies more than ROW_BLOCK rows at once, and its output is still the target alone's."""
+    pattern = torch.randint(0, VOCAB, (90,), generator=torch.Generator().manual_seed(11)).tolist()
+    prompt = pattern * 3
+    attention, new = AttentionConfig(numerics="bf16-kv"), 4 * numerics.ROW_BLOCK
+    alone = list(list(generate(pair, prompt, preset("autoregressive", max_new_tokens=new, attention=attention)))[-1].token_ids)
+    config = preset("lookup", max_new_tokens=new, attention=attention,
+                    lookup=LookupConfig(max_tokens=MAX_DRAFT, adaptive=False, min_ngram=1))
+    trace = list(generate(pair, prompt, config))
+    assert max(len(e.tokens) for e in trace if isinstance(e, ev.Drafted)) > numerics.ROW_BLOCK
+    assert list(trace[-1].token_ids) == alone
+    numerics.apply(pair.target, "fp32")
 
 
 @pytest.mark.parametrize("setting", ["bf16", "bf16-kv"])
