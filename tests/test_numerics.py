@@ -24,8 +24,8 @@ def pair():  # its own pair: the numerics switch a model in place
     return make_pair(tiny("llama", layers=3, seed=11), tiny("llama", layers=1, hidden=32, heads=2, kv_heads=1, seed=12))
 
 
-def greedy(pair, prompt, method: str, setting: str, **kw) -> list[int]:
-    config = preset(method, max_new_tokens=N_NEW, retrieval=RETRIEVAL, attention=AttentionConfig(numerics=setting, **kw))
+def greedy(pair, prompt, method: str, setting: str, new: int = N_NEW, **kw) -> list[int]:
+    config = preset(method, max_new_tokens=new, retrieval=RETRIEVAL, attention=AttentionConfig(numerics=setting, **kw))
     return list(list(generate(pair, prompt, config))[-1].token_ids)
 
 
@@ -105,9 +105,9 @@ def test_verifications_taller_than_a_row_block_equal_the_target_alone_in_bf16_kv
     verifies more than ROW_BLOCK rows at once, and its output is still the target alone's."""
     pattern = torch.randint(0, VOCAB, (90,), generator=torch.Generator().manual_seed(11)).tolist()
     prompt = pattern * 3
-    attention, new = AttentionConfig(numerics="bf16-kv"), 4 * numerics.ROW_BLOCK
-    alone = list(list(generate(pair, prompt, preset("autoregressive", max_new_tokens=new, attention=attention)))[-1].token_ids)
-    config = preset("lookup", max_new_tokens=new, attention=attention,
+    new = 4 * numerics.ROW_BLOCK
+    alone = greedy(pair, prompt, "autoregressive", "bf16-kv", new=new)
+    config = preset("lookup", max_new_tokens=new, attention=AttentionConfig(numerics="bf16-kv"),
                     lookup=LookupConfig(max_tokens=MAX_DRAFT, adaptive=False, min_ngram=1))
     trace = list(generate(pair, prompt, config))
     assert max(len(e.tokens) for e in trace if isinstance(e, ev.Drafted)) > numerics.ROW_BLOCK
