@@ -90,6 +90,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--topk", type=int, default=16)
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--vocab-sample", type=int, default=256, help="sequences read to choose a new head's vocabulary")
+    p.add_argument("--grow-vocab", type=int, default=0,
+                   help="add to the head's draft vocabulary the N tokens it lacks that the target writes most often in "
+                        "its answers to the training requests (their rows the target's LM head's, their optimizer "
+                        "moments zero)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup-tokens", type=float, default=2e5)
     p.add_argument("--schedule-tokens", type=float, default=2e7, help="tokens of the cosine's length (then --lr-floor)")
@@ -258,6 +262,45 @@ def start_head(args, target, reader: Reader, stream: head_data.Stream, ckpt: dic
     return head.to(device=args.device, dtype=torch.float32).train(), vocab_ids
 
 
+def most_written(chats: list[head_data.Chat], vocab_ids: torch.Tensor, vocab: int, count: int) -> torch.Tensor:
+    """The `count` target ids outside `vocab_ids` that the target wrote most often in the answers of `chats` (its
+    own greedy tokens: the argmax a head must draft), most frequent first; fewer where fewer were written."""
+    counts = torch.zeros(vocab)
+    for chat in chats:
+        counts += torch.bincount(torch.tensor(chat.ids[chat.prompt_len:], dtype=torch.long), minlength=vocab)
+    counts[vocab_ids] = 0
+    order = torch.argsort(counts, descending=True, stable=True)
+    return order[:min(count, int((counts > 0).sum()))]
+
+
+def grow_vocab(head, vocab_ids: torch.Tensor, extra: torch.Tensor, target, opt_state: dict | None = None):
+    """The head with `extra` target ids added to its draft vocabulary (kept sorted), every other weight as it was.
+    A new id's row is the target's LM head row carried through the linear map that best takes the target's rows of
+    the old ids to the head's trained ones (least squares): the target's own rows would score the head's states as
+    the trained rows no longer do (grown so, a head's first-token agreement fell from 0.45 to 0.09 before training;
+    with the map it stays). With the AdamW state of its trainable parameters (`opt_state`), the same state with zero
+    moments for the new rows. Returns (head, vocab_ids, opt_state)."""
+    ids = torch.cat([vocab_ids.cpu(), extra.cpu()])
+    order = torch.argsort(ids)  # the merged vocabulary, sorted: draft id d is ids[order[d]]
+    grown = make_head(target, ids[order]).to(head.lm_head.weight.device)
+    old_rows = head.lm_head.weight.detach()
+    with torch.no_grad():
+        rows = target.get_output_embeddings().weight.to(old_rows.device, torch.float64)
+        carry = torch.linalg.lstsq(rows[vocab_ids.to(rows.device)], old_rows.double()).solution  # (H, H)
+        new_rows = (rows[extra.to(rows.device)] @ carry).to(old_rows.dtype)
+        state = {k: v for k, v in head.state_dict().items() if not k.startswith(("lm_head.", "d2t", "t2d"))}
+        grown.load_state_dict(state, strict=False)
+        grown.lm_head.weight.copy_(torch.cat([old_rows, new_rows])[order.to(old_rows.device)])
+    if opt_state is not None:
+        at = [p is head.lm_head.weight for p in head.parameters() if p.requires_grad].index(True)
+        moments = dict(opt_state["state"][at])  # a new state: the one given may be a live optimizer's
+        for name in ("exp_avg", "exp_avg_sq"):
+            m = moments[name]
+            moments[name] = torch.cat([m, m.new_zeros(len(extra), m.shape[1])])[order.to(m.device)]
+        opt_state = {**opt_state, "state": {**opt_state["state"], at: moments}}
+    return grown.to(dtype=head.lm_head.weight.dtype).train(head.training), ids[order], opt_state
+
+
 def run(args, target, prompter, pad: int, stop: tuple[int, ...], say=print, clock: Clock | None = None) -> dict:
     """All phases on a loaded target (float32, on `--device`); WORK must hold corpus.npy. Returns the record written
     beside the head."""
@@ -279,12 +322,17 @@ def run(args, target, prompter, pad: int, stop: tuple[int, ...], say=print, cloc
     read_dtype = dtype_of(args.read_dtype, device, lambda: models.prefill_dtype(target, "auto"))
     reader = Reader(target, read_dtype, args.topk)
     head, vocab_ids = start_head(args, target, reader, stream, ckpt, pad, stop)
+    opt_state = ckpt["opt"] if ckpt is not None else None
+    if args.grow_vocab:
+        extra = most_written(chats + written, vocab_ids, target.config.vocab_size, args.grow_vocab)
+        head, vocab_ids, opt_state = grow_vocab(head, vocab_ids, extra, target, opt_state)
+        say(f"draft vocabulary grown by {len(extra)} to {len(vocab_ids)} ids")
     to_draft = draft_index(vocab_ids, target.config.vocab_size).to(device)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     state = {"step": 0, "tokens": 0, "minutes": 0.0, "pos": Position()}
     if ckpt is not None:
-        opt.load_state_dict(ckpt["opt"])
+        opt.load_state_dict(opt_state)
         state = {**ckpt["state"], "pos": Position(**ckpt["state"]["pos"])}
         torch.set_rng_state(ckpt["rng"]["torch"])
         random.setstate(ckpt["rng"]["python"])

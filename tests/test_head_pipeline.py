@@ -218,3 +218,62 @@ def test_written_requests_stop_at_the_splits_distinct_instructions(tmp_path, tar
                                      say=lambda _: None, written=True)
     chats = head_data.read_chats(tmp_path / "written")
     assert done == len(chats) == 3 and len({tuple(c.ids[:c.prompt_len]) for c in chats}) == 3
+
+
+def test_a_resumed_head_grows_its_vocabulary_by_the_targets_most_written_tokens(tmp_path, target, corpus_ids):
+    say = lambda _: None  # noqa: E731
+    work = work_folder(tmp_path / "g", corpus_ids)
+    head_train_online.run(arguments(work, steps=3, answers=6, written=4, write_new=4), target, prompter, PAD, STOP, say)
+    before = torch.load(work / head_train_online.CHECKPOINT, weights_only=False)
+    chats = head_data.read_chats(work / "answers") + head_data.read_chats(work / "written")
+    written = [t for c in chats for t in c.ids[c.prompt_len:]]
+    missing = {t for t in written if t not in set(before["vocab_ids"].tolist())}
+    assert missing  # the tiny run's vocabulary (40 of VOCAB ids) lacks some of the answers' tokens
+
+    extra = head_train_online.most_written(chats, before["vocab_ids"], VOCAB, 1000)
+    assert set(extra.tolist()) == missing  # only ids the answers hold and the vocabulary lacks, however many are asked
+    counts = [written.count(int(t)) for t in extra]
+    assert counts == sorted(counts, reverse=True)  # most written first
+
+    record = head_train_online.run(arguments(work, steps=5, resume=True, grow_vocab=3), target, prompter, PAD, STOP,
+                                   say)
+    after = torch.load(work / head_train_online.CHECKPOINT, weights_only=False)
+    ids, old = after["vocab_ids"], before["vocab_ids"]
+    assert record["draft_vocab"] == len(ids) == 43 and torch.equal(ids, torch.sort(ids).values)
+    assert set(ids.tolist()) == set(old.tolist()) | set(extra[:3].tolist())
+    assert after["state"]["step"] == 5 and all(r["loss"] is None or r["loss"] == r["loss"] for r in curve(work))
+    head = load_head(work / "head", target, torch.device("cpu"), torch.float32)  # written and loadable at its new size
+    assert len(head.d2t) == 43 and int(head.t2d.sum()) == 43
+
+
+def test_growing_the_vocabulary_keeps_the_old_rows_and_their_moments_and_adds_the_targets(target):
+    from scripts.train_head import draft_index, make_head
+
+    old = torch.tensor([i for i in range(2, VOCAB) if i != 7][:80])
+    head = make_head(target, old).float()
+    rows = target.get_output_embeddings().weight
+    assert len(old) >= rows.shape[1]  # enough old rows to fix the map they went through
+    turn = 1.5 * torch.linalg.qr(torch.randn(rows.shape[1], rows.shape[1], dtype=torch.float64)).Q  # a rotation, scaled
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params)
+    head.draft_logits(torch.randn(1, 3, head.config.hidden_size)).sum().backward()
+    opt.step()  # moments to carry over
+    with torch.no_grad():  # trained rows: the target's through one linear map
+        head.lm_head.weight.copy_((rows[old].double() @ turn).float())
+    extra = torch.tensor([7, 1])
+    grown, ids, state = head_train_online.grow_vocab(head, old, extra, target, opt.state_dict())
+    assert ids.tolist() == sorted([*old.tolist(), 7, 1])
+    at = draft_index(ids, VOCAB)
+    assert torch.equal(grown.lm_head.weight[at[old]], head.lm_head.weight)  # each old id keeps its trained row
+    # a new id's row: the target's through the same map (what training did to the old rows)
+    want = rows[extra].double() @ turn
+    assert (grown.lm_head.weight[at[extra]].double() - want).norm() < 1e-3 * want.norm()
+    assert (rows[extra] - want).norm() > 0.5 * want.norm()  # not the target's own rows
+    assert torch.equal(grown.fc.weight, head.fc.weight)
+    k = [p is head.lm_head.weight for p in params].index(True)
+    moments, before = state["state"][k], opt.state_dict()["state"][k]
+    assert moments["exp_avg"].shape == (82, head.config.hidden_size)
+    assert torch.equal(moments["exp_avg"][at[old]], before["exp_avg"]) and not moments["exp_avg"][at[extra]].any()
+    fresh = torch.optim.AdamW([p for p in grown.parameters() if p.requires_grad])
+    fresh.load_state_dict(state)  # the grown state fits the grown head's parameters
+    assert torch.equal(grown.d2t + torch.arange(82), ids)
