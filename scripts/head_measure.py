@@ -8,7 +8,8 @@
             writing then reading the same batch's streams and labels as a shard would (float16 streams)
   agree     heads side by side (`--heads`): agreement with the target's argmax per unrolled step, as the training
             curve measures it, on written requests about held-out topics (the target's own answers) and on windows
-            of `--files` (text nobody tuned for), the target reading in bf16 as training does
+            of `--files` (text nobody tuned for), the target reading in bf16 as training does, and the share of
+            those positions whose target argmax the head's draft vocabulary holds (`in_vocab`)
 
   python -m scripts.head_measure read --work cache/head-online --repeats 5
   python -m scripts.head_measure generate --work cache/head-online --prompts 16 --max-new 64
@@ -162,7 +163,19 @@ def measure_agree(args, tokenizer, target, corpus) -> None:
             got = evaluate(head, b, to_draft, args.unroll)
             print(json.dumps({"measure": "agree", "head": str(folder), "set": k, "sequences": len(sets[k]),
                               "agree": got["held_agree"], "chain": got["held_chain"],
-                              "positions": got["held_positions"]}), flush=True)
+                              "positions": got["held_positions"], "vocab": len(head.d2t),
+                              "in_vocab": in_vocab(b, to_draft)}), flush=True)
+
+
+def in_vocab(batches: list[dict], to_draft: torch.Tensor) -> float:
+    """The share of the first draft token's positions (as `evaluate` counts them) whose target argmax is in the
+    head's draft vocabulary: the most its first-token agreement can be."""
+    hit = total = 0
+    for b in batches:
+        where = b["mask"][:, 1:] & b["mask"][:, :-1]
+        top = b["top_id"][:, 1:, 0].long()[where]
+        hit, total = hit + int((to_draft[top] >= 0).sum()), total + len(top)
+    return round(hit / max(total, 1), 4)
 
 
 def main(argv=None) -> None:

@@ -277,3 +277,14 @@ def test_growing_the_vocabulary_keeps_the_old_rows_and_their_moments_and_adds_th
     fresh = torch.optim.AdamW([p for p in grown.parameters() if p.requires_grad])
     fresh.load_state_dict(state)  # the grown state fits the grown head's parameters
     assert torch.equal(grown.d2t + torch.arange(82), ids)
+
+
+def test_the_share_in_the_draft_vocabulary_counts_the_first_draft_tokens_positions():
+    from scripts.head_measure import in_vocab
+    from scripts.train_head import draft_index
+
+    top = torch.tensor([[[9], [3], [4], [3]], [[3], [4], [8], [0]]])  # (B, T, K=1): the target's argmax per position
+    mask = torch.tensor([[True, True, True, True], [True, True, True, False]])  # the second row padded at its end
+    to_draft = draft_index(torch.tensor([3, 8]), VOCAB)
+    # the first draft token's positions are 1.. where the position before is real: ids 3, 4, 3 and 4, 8
+    assert in_vocab([{"top_id": top, "mask": mask}], to_draft) == round(3 / 5, 4)
