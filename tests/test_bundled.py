@@ -229,7 +229,7 @@ def test_the_bundled_head_is_committed_and_reads_the_target():
 
     d = bundled.draft_dir(bundled.HEAD_NAME)
     head = read_head(d)
-    assert head is not None and head.kind == "eagle3" and head.draft_vocab == 8192
+    assert head is not None and head.kind == "eagle3" and head.draft_vocab == 10240
     assert compact.weights_file(d).stat().st_size < 12 * 10**6 and (d / "README.md").is_file()  # issue 37's bar
     assert bundled.default_pair()[1] == d
     tdir = bundled.target_dir()
