@@ -113,7 +113,10 @@ def test_a_race_draws_every_panel(studio_url, browser, engine):
     pick_sample(page, DOCUMENT_CHARS)
     page.get_by_role("checkbox", name="the target alone (also checks exactness)").uncheck()
     page.get_by_text("Knobs").click()
-    set_number(page, "#max-new input[type=number]", 4 * max_new)  # long enough to be going when Run is clicked again
+    # long enough to be going when Run is clicked again: with lookup on this sample a run of 4 x max_new tokens could
+    # end between the page showing its progress and the second click on a busy CI machine (it did once), and the click
+    # then started a new run instead of being refused
+    set_number(page, "#max-new input[type=number]", 16 * max_new)
     page.click("#run")
     page.wait_for_function("document.querySelector('#stepper') === null || "
                            "!document.querySelector('#stepper').checkVisibility()")
