@@ -92,8 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab-sample", type=int, default=256, help="sequences read to choose a new head's vocabulary")
     p.add_argument("--grow-vocab", type=int, default=0,
                    help="add to the head's draft vocabulary the N tokens it lacks that the target writes most often in "
-                        "its answers to the training requests (their rows the target's LM head's, their optimizer "
-                        "moments zero)")
+                        "its answers to the training requests (their rows the target's LM head's through the map "
+                        "training moved the old rows by, their optimizer moments zero: grow_vocab)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup-tokens", type=float, default=2e5)
     p.add_argument("--schedule-tokens", type=float, default=2e7, help="tokens of the cosine's length (then --lr-floor)")
@@ -265,9 +265,8 @@ def start_head(args, target, reader: Reader, stream: head_data.Stream, ckpt: dic
 def most_written(chats: list[head_data.Chat], vocab_ids: torch.Tensor, vocab: int, count: int) -> torch.Tensor:
     """The `count` target ids outside `vocab_ids` that the target wrote most often in the answers of `chats` (its
     own greedy tokens: the argmax a head must draft), most frequent first; fewer where fewer were written."""
-    counts = torch.zeros(vocab)
-    for chat in chats:
-        counts += torch.bincount(torch.tensor(chat.ids[chat.prompt_len:], dtype=torch.long), minlength=vocab)
+    answers = torch.tensor([t for chat in chats for t in chat.ids[chat.prompt_len:]], dtype=torch.long)
+    counts = torch.bincount(answers, minlength=vocab)
     counts[vocab_ids] = 0
     order = torch.argsort(counts, descending=True, stable=True)
     return order[:min(count, int((counts > 0).sum()))]
