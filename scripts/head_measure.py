@@ -8,11 +8,14 @@
             writing then reading the same batch's streams and labels as a shard would (float16 streams)
   agree     heads side by side (`--heads`): agreement with the target's argmax per unrolled step, as the training
             curve measures it, on written requests about held-out topics (the target's own answers) and on windows
-            of `--files` (text nobody tuned for), the target reading in bf16 as training does, and the share of
-            those positions whose target argmax the head's draft vocabulary holds (`in_vocab`)
+            of `--files` (text nobody tuned for), the target reading in bf16 as training does, the share of
+            those positions whose target argmax the head's draft vocabulary holds (`in_vocab`), and the first
+            token's agreement apart by how sure the target was of its argmax (`by_confidence`)
 
   python -m scripts.head_measure read --work cache/head-online --repeats 5
   python -m scripts.head_measure generate --work cache/head-online --prompts 16 --max-new 64
+  python -m scripts.head_measure generate --work cache/head-online --written --prompts 128 --single 0 --max-new 96 \
+      --dtypes bfloat16 --batches 16 64 128 --repeats 2
   python -m scripts.head_measure online --work cache/head-online --repeats 3
   python -m scripts.head_measure agree --heads assets/models/smollm2-135m-eagle3 cache/head-online2/head --prompts 32 \
       --max-new 256 --files /usr/share/common-licenses/GPL-3
@@ -34,7 +37,9 @@ import torch
 
 from scripts import head_data
 from scripts.head_train_online import Reader, in_dtype, labelled
-from scripts.train_head import draft_index, head_loss, head_vocab, make_head
+from scripts.train_head import draft_index, head_loss, head_vocab, make_head, unrolled_steps
+
+CONFIDENCE = (0.0, 0.3, 0.5, 0.7, 0.9)  # agree: the lower edges of the target's top-1 probability buckets
 
 
 def load(threads: int):
@@ -92,7 +97,8 @@ def measure_generate(args, tokenizer, target, corpus) -> None:
     from specextend.tools import prompting
 
     prompter = head_data.chat_prompter(tokenizer)
-    prompts = [head_data.request(corpus, prompter, 99, i, False, args.doc_tokens) for i in range(args.prompts)]
+    prompts = [head_data.written_request(prompter, 99, i, False) if args.written else
+               head_data.request(corpus, prompter, 99, i, False, args.doc_tokens) for i in range(args.prompts)]
     stop = prompting.stop_ids(tokenizer, target)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ways = [("float32", 1, prompts[:args.single]), *((d, b, prompts) for d in args.dtypes for b in args.batches)]
@@ -164,7 +170,8 @@ def measure_agree(args, tokenizer, target, corpus) -> None:
             print(json.dumps({"measure": "agree", "head": str(folder), "set": k, "sequences": len(sets[k]),
                               "agree": got["held_agree"], "chain": got["held_chain"],
                               "positions": got["held_positions"], "vocab": len(head.d2t),
-                              "in_vocab": in_vocab(b, to_draft)}), flush=True)
+                              "in_vocab": in_vocab(b, to_draft),
+                              "by_confidence": by_confidence(*first_token_hits(head, b, to_draft))}), flush=True)
 
 
 def in_vocab(batches: list[dict], to_draft: torch.Tensor) -> float:
@@ -176,6 +183,32 @@ def in_vocab(batches: list[dict], to_draft: torch.Tensor) -> float:
         top = b["top_id"][:, 1:, 0].long()[where]
         hit, total = hit + int((to_draft[top] >= 0).sum()), total + len(top)
     return round(hit / max(total, 1), 4)
+
+
+@torch.no_grad()
+def first_token_hits(head, batches: list[dict], to_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Over the first draft token's positions (as `evaluate` counts them): whether the head's argmax is the
+    target's (N,) bool, and the target's probability of its argmax there (N,)."""
+    hits, sure = [], []
+    head.eval()
+    for b in batches:
+        _, hit, valid = next(unrolled_steps(head, b, to_draft, 1))
+        hits.append(hit[valid])
+        sure.append(b["top_lp"][:, 1:, 0].float().exp()[valid])
+    return torch.cat(hits), torch.cat(sure)
+
+
+def by_confidence(hits: torch.Tensor, sure: torch.Tensor, edges: tuple[float, ...] = CONFIDENCE) -> list[dict]:
+    """The agreement `hits` (N,) apart by the target's top-1 probability `sure` (N,), in buckets from each of
+    `edges` to the next (the last to 1): each bucket's lower edge, its share of the positions and its agreement
+    (None where it is empty)."""
+    out = []
+    for lo, hi in zip(edges, (*edges[1:], float("inf"))):
+        where = (sure >= lo) & (sure < hi)
+        n = int(where.sum())
+        out.append({"from": lo, "share": round(n / max(len(sure), 1), 4),
+                    "agree": round(float(hits[where].float().mean()), 4) if n else None})
+    return out
 
 
 def main(argv=None) -> None:
@@ -191,6 +224,8 @@ def main(argv=None) -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[16])
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--doc-tokens", type=int, default=320)
+    p.add_argument("--written", action="store_true", help="generate: written requests (no document) in place of "
+                                                          "requests about a corpus passage")
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--heads", type=Path, nargs="*", default=(), help="agree: the head folders compared")

@@ -288,3 +288,29 @@ def test_the_share_in_the_draft_vocabulary_counts_the_first_draft_tokens_positio
     to_draft = draft_index(torch.tensor([3, 8]), VOCAB)
     # the first draft token's positions are 1.. where the position before is real: ids 3, 4, 3 and 4, 8
     assert in_vocab([{"top_id": top, "mask": mask}], to_draft) == round(3 / 5, 4)
+
+
+def test_the_first_tokens_agreement_by_the_targets_confidence_splits_the_positions_evaluate_counts(target):
+    from scripts.head_measure import by_confidence, first_token_hits
+    from scripts.train_head import draft_index, make_head
+
+    hits = torch.tensor([True, False, True, True, False])
+    sure = torch.tensor([0.1, 0.2, 0.95, 0.6, 0.9])
+    got = by_confidence(hits, sure, (0.0, 0.5, 0.9))
+    assert got == [{"from": 0.0, "share": 0.4, "agree": 0.5}, {"from": 0.5, "share": 0.2, "agree": 1.0},
+                   {"from": 0.9, "share": 0.4, "agree": 0.5}]
+    assert by_confidence(hits[:1], sure[:1], (0.0, 0.5))[1] == {"from": 0.5, "share": 0.0, "agree": None}
+
+    torch.manual_seed(1)
+    ids = torch.arange(6, 46)
+    head = make_head(target, ids)
+    reader = head_train_online.Reader(target, torch.float32, 4)
+    seqs = [torch.randint(6, VOCAB, (n,)).tolist() for n in (12, 9, 12)]  # the second one padded
+    batches = [head_train_online.labelled(reader, seqs, PAD, "cpu")]
+    to_draft = draft_index(ids, VOCAB)
+    hit, sure = first_token_hits(head, batches, to_draft)
+    assert len(hit) == len(sure) == 11 + 8 + 11  # the positions with a real token before and after
+    assert ((sure > 0) & (sure <= 1)).all()
+    assert round(float(hit.float().mean()), 4) == head_train_online.evaluate(head, batches, to_draft, 1)["held_agree"][0]
+    buckets = by_confidence(hit, sure)
+    assert abs(sum(b["share"] for b in buckets) - 1) < 1e-3
