@@ -11,12 +11,17 @@
             of `--files` (text nobody tuned for), the target reading in bf16 as training does, the share of
             those positions whose target argmax the head's draft vocabulary holds (`in_vocab`), and the first
             token's agreement apart by how sure the target was of its argmax (`by_confidence`)
+  inputs    whether a head reads its inputs where they belong: its first-token agreement on the target's texts about
+            held-out topics as read (teacher-forced), then with the target's features taken one position later or
+            earlier, the token it reads one position earlier or random, and no features at all; a head trained on
+            misplaced inputs would agree more with one of the shifted readings than as read
 
   python -m scripts.head_measure read --work cache/head-online --repeats 5
   python -m scripts.head_measure generate --work cache/head-online --prompts 16 --max-new 64
   python -m scripts.head_measure generate --work cache/head-online --written --prompts 128 --single 0 --max-new 96 \
       --dtypes bfloat16 --batches 16 64 128 --repeats 2
   python -m scripts.head_measure online --work cache/head-online --repeats 3
+  python -m scripts.head_measure inputs --heads assets/models/smollm2-135m-eagle3 --prompts 16 --max-new 200
   python -m scripts.head_measure agree --heads assets/models/smollm2-135m-eagle3 cache/head-online2/head --prompts 32 \
       --max-new 256 --files /usr/share/common-licenses/GPL-3
 
@@ -146,16 +151,11 @@ def measure_online(args, tokenizer, target, corpus) -> None:
 
 def measure_agree(args, tokenizer, target, corpus) -> None:
     from specextend.heads import load_head
-    from specextend.tools import prompting
 
     from scripts.head_train_online import evaluate
 
-    prompter = head_data.chat_prompter(tokenizer)
-    stop = prompting.stop_ids(tokenizer, target)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    prompts = [head_data.written_request(prompter, args.seed, i, held=True) for i in range(args.prompts)]
-    answers = head_data.greedy_answers(in_dtype(target, torch.bfloat16), prompts, args.max_new, stop, pad, 16)
-    sets = {"written, held-out topics": [(p + a)[:args.window] for p, a in zip(prompts, answers)]}
+    sets = {"written, held-out topics": held_texts(args, tokenizer, target)}
     for name in args.files:
         ids = tokenizer(Path(name).read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
         sets[Path(name).name] = [ids[i:i + args.window] for i in range(0, len(ids) - args.window + 1, args.window)]
@@ -172,6 +172,56 @@ def measure_agree(args, tokenizer, target, corpus) -> None:
                               "positions": got["held_positions"], "vocab": len(head.d2t),
                               "in_vocab": in_vocab(b, to_draft),
                               "by_confidence": by_confidence(*first_token_hits(head, b, to_draft))}), flush=True)
+
+
+def held_texts(args, tokenizer, target) -> list[list[int]]:
+    """The target's bf16 greedy texts for `--prompts` written requests on held-out topics, prompt and text."""
+    from specextend.tools import prompting
+
+    prompter = head_data.chat_prompter(tokenizer)
+    stop = prompting.stop_ids(tokenizer, target)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    prompts = [head_data.written_request(prompter, args.seed, i, held=True) for i in range(args.prompts)]
+    answers = head_data.greedy_answers(in_dtype(target, torch.bfloat16), prompts, args.max_new, stop, pad, 16)
+    return [(p + a)[:args.window] for p, a in zip(prompts, answers)]
+
+
+def misread(batch: dict, how: str, vocab: int, generator: torch.Generator) -> dict:
+    """The batch with one of a head's inputs misplaced (`how`: INPUTS; random tokens drawn from `vocab` ids); the labels
+    and the mask as they were."""
+    ids, feats = batch["ids"], batch["feats"]
+    if how == "features one position later":
+        feats = torch.cat([feats[:, 1:], feats[:, -1:]], dim=1)
+    elif how == "features one position earlier":
+        feats = torch.cat([feats[:, :1], feats[:, :-1]], dim=1)
+    elif how == "no features":
+        feats = torch.zeros_like(feats)
+    elif how == "the token one position earlier":
+        ids = torch.cat([ids[:, :1], ids[:, :-1]], dim=1)
+    elif how == "random tokens":
+        ids = torch.randint(0, vocab, ids.shape, generator=generator)
+    return {**batch, "ids": ids, "feats": feats}
+
+
+INPUTS = ("as read", "features one position later", "features one position earlier", "the token one position earlier",
+          "random tokens", "no features")
+
+
+def measure_inputs(args, tokenizer, target, corpus) -> None:
+    from specextend.heads import load_head
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    seqs = held_texts(args, tokenizer, target)
+    reader = Reader(target, torch.bfloat16, 16)
+    batches = [labelled(reader, seqs[i:i + args.batch], pad, "cpu") for i in range(0, len(seqs), args.batch)]
+    for folder in args.heads:
+        head = load_head(folder, target, torch.device("cpu"), torch.float32)
+        to_draft = draft_index(head_vocab(head), target.config.vocab_size)
+        generator = torch.Generator().manual_seed(0)
+        for how in INPUTS:
+            hits, _ = first_token_hits(head, [misread(b, how, target.config.vocab_size, generator) for b in batches], to_draft)
+            print(json.dumps({"measure": "inputs", "head": str(folder), "inputs": how, "positions": len(hits),
+                              "agree": round(float(hits.float().mean()), 4)}), flush=True)
 
 
 def in_vocab(batches: list[dict], to_draft: torch.Tensor) -> float:
@@ -213,7 +263,7 @@ def by_confidence(hits: torch.Tensor, sure: torch.Tensor, edges: tuple[float, ..
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=("read", "generate", "online", "agree"))
+    p.add_argument("what", choices=("read", "generate", "online", "agree", "inputs"))
     p.add_argument("--work", type=Path, default=Path("cache/head-online"))
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--batch", type=int, default=8)
@@ -234,7 +284,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     tokenizer, target = load(args.threads)
     corpus = head_data.load_corpus(args.work, tokenizer)
-    {"read": measure_read, "generate": measure_generate, "online": measure_online, "agree": measure_agree}[args.what](
+    {"read": measure_read, "generate": measure_generate, "online": measure_online, "agree": measure_agree,
+     "inputs": measure_inputs}[args.what](
         args, tokenizer, target, corpus)
 
 

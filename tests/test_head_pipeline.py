@@ -314,3 +314,21 @@ def test_the_first_tokens_agreement_by_the_targets_confidence_splits_the_positio
     assert round(float(hit.float().mean()), 4) == head_train_online.evaluate(head, batches, to_draft, 1)["held_agree"][0]
     buckets = by_confidence(hit, sure)
     assert abs(sum(b["share"] for b in buckets) - 1) < 1e-3
+
+
+def test_misread_inputs_move_one_input_and_keep_the_labels():
+    from scripts.head_measure import INPUTS, misread
+
+    ids = torch.arange(10).reshape(2, 5)
+    feats = torch.arange(30, dtype=torch.float).reshape(2, 5, 3)
+    batch = {"ids": ids, "feats": feats, "mask": torch.ones(2, 5, dtype=torch.bool), "top_id": ids + 1}
+    gen = torch.Generator().manual_seed(0)
+    got = {how: misread(batch, how, 7, gen) for how in INPUTS}
+    assert torch.equal(got["as read"]["ids"], ids) and torch.equal(got["as read"]["feats"], feats)
+    assert torch.equal(got["features one position later"]["feats"][:, :4], feats[:, 1:])
+    assert torch.equal(got["features one position earlier"]["feats"][:, 1:], feats[:, :4])
+    assert torch.equal(got["the token one position earlier"]["ids"][:, 1:], ids[:, :4])
+    assert not got["no features"]["feats"].any()
+    assert got["random tokens"]["ids"].max() < 7 and not torch.equal(got["random tokens"]["ids"], ids)
+    assert all(torch.equal(g["top_id"], ids + 1) and g["mask"].all() for g in got.values())
+    assert all(torch.equal(g["ids"], ids) for how, g in got.items() if "token" not in how)
