@@ -107,6 +107,7 @@ def measure_generate(args, tokenizer, target, corpus) -> None:
     stop = prompting.stop_ids(tokenizer, target)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ways = [("float32", 1, prompts[:args.single]), *((d, b, prompts) for d in args.dtypes for b in args.batches)]
+    ways = [way for way in ways if way[2]]  # --single 0: no prompts answered one at a time
     for r in range(args.repeats):
         for dtype, batch, group in (ways if r % 2 == 0 else ways[::-1]):
             model = in_dtype(target, getattr(torch, dtype))
