@@ -279,7 +279,7 @@ def main(argv=None) -> None:
                                                           "requests about a corpus passage")
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--heads", type=Path, nargs="*", default=(), help="agree: the head folders compared")
+    p.add_argument("--heads", type=Path, nargs="*", default=(), help="agree, inputs: the head folders compared")
     p.add_argument("--files", nargs="*", default=(), help="agree: UTF-8 text files read in windows")
     p.add_argument("--seed", type=int, default=0, help="agree: the written requests' seed")
     args = p.parse_args(argv)
