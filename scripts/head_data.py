@@ -142,6 +142,11 @@ def chat_prompter(tokenizer) -> Prompter:
     return lambda passage, instruction: prompting.encode(tokenizer, tokenizer.decode(passage), instruction).ids
 
 
+def pad_id(tokenizer) -> int:
+    """The id batches are padded with: the tokenizer's pad id, else 0 (padded positions are masked out)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+
 def request(corpus: Corpus, prompter: Prompter, seed: int, index: int, held: bool, doc_tokens: int) -> list[int]:
     """Chat request `index` of a split: a pure function of its arguments."""
     rng = random.Random(f"chat:{seed}:{'held' if held else 'train'}:{index}")

@@ -105,7 +105,7 @@ def measure_generate(args, tokenizer, target, corpus) -> None:
     prompts = [head_data.written_request(prompter, 99, i, False) if args.written else
                head_data.request(corpus, prompter, 99, i, False, args.doc_tokens) for i in range(args.prompts)]
     stop = prompting.stop_ids(tokenizer, target)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad = head_data.pad_id(tokenizer)
     ways = [("float32", 1, prompts[:args.single]), *((d, b, prompts) for d in args.dtypes for b in args.batches)]
     ways = [way for way in ways if way[2]]  # --single 0: no prompts answered one at a time
     for r in range(args.repeats):
@@ -155,7 +155,7 @@ def measure_agree(args, tokenizer, target, corpus) -> None:
 
     from scripts.head_train_online import evaluate
 
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad = head_data.pad_id(tokenizer)
     sets = {"written, held-out topics": held_texts(args, tokenizer, target)}
     for name in args.files:
         ids = tokenizer(Path(name).read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
@@ -181,7 +181,7 @@ def held_texts(args, tokenizer, target) -> list[list[int]]:
 
     prompter = head_data.chat_prompter(tokenizer)
     stop = prompting.stop_ids(tokenizer, target)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad = head_data.pad_id(tokenizer)
     prompts = [head_data.written_request(prompter, args.seed, i, held=True) for i in range(args.prompts)]
     answers = head_data.greedy_answers(in_dtype(target, torch.bfloat16), prompts, args.max_new, stop, pad, 16)
     return [(p + a)[:args.window] for p, a in zip(prompts, answers)]
@@ -211,7 +211,7 @@ INPUTS = ("as read", "features one position later", "features one position earli
 def measure_inputs(args, tokenizer, target, corpus) -> None:
     from specextend.heads import load_head
 
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad = head_data.pad_id(tokenizer)
     seqs = held_texts(args, tokenizer, target)
     reader = Reader(target, torch.bfloat16, 16)
     batches = [labelled(reader, seqs[i:i + args.batch], pad, "cpu") for i in range(0, len(seqs), args.batch)]

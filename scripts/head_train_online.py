@@ -428,7 +428,7 @@ def main(argv=None) -> None:
     target = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).to(args.device).eval()
     head_data.load_corpus(args.work, tokenizer)
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad = head_data.pad_id(tokenizer)
     run(args, target, head_data.chat_prompter(tokenizer), pad, prompting.stop_ids(tokenizer, target), say, clock)
 
 

@@ -77,7 +77,7 @@ def text_stream(tokenizer) -> list[int]:
 def answers(model, tokenizer, prompts: list[list[int]], max_new: int, batch: int = 16) -> list[list[int]]:
     """The target's greedy answers to `prompts` (head_data.greedy_answers: batched, left-padded), each cut after its
     end of text."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad = head_data.pad_id(tokenizer)
     return head_data.greedy_answers(model, prompts, max_new, prompting.stop_ids(tokenizer, model.generation_config),
                                     pad, batch)
 
