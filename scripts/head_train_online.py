@@ -101,6 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--chat-share", type=float, default=0.5, help="share of the stream's sequences that are chats")
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--groups", type=int, default=2,
+                   help="a batch is read and learned in at most this many groups of near length, each padded to its "
+                        "own longest (head_data.length_groups; the same loss as one batch padded whole)")
     p.add_argument("--unroll", type=int, default=6)
     p.add_argument("--topk", type=int, default=16)
     p.add_argument("--draft-vocab", type=int, default=8192)
@@ -408,16 +411,17 @@ def run(args, target, prompter, pad: int, stop: tuple[int, ...], say=print, cloc
         rows.append(point([], []))
     while clock.left() > 0 and not (args.steps and state["step"] >= args.steps):
         seqs, pos = stream.take(state["pos"], args.batch)
-        batch = labelled(reader, seqs, pad, device)
+        parts = [labelled(reader, [seqs[i] for i in group], pad, device)
+                 for group in head_data.length_groups([len(q) for q in seqs], args.groups)]
         for g in opt.param_groups:
             g["lr"] = learning_rate(args, state["tokens"])
         with step_cast:
-            loss, agree = head_loss(head, batch, to_draft, args.unroll)
+            loss, agree = head_loss(head, parts, to_draft, args.unroll)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        state.update(step=state["step"] + 1, tokens=state["tokens"] + int(batch["mask"].sum()), pos=pos)
+        state.update(step=state["step"] + 1, tokens=state["tokens"] + sum(len(q) for q in seqs), pos=pos)
         losses.append(float(loss.detach()))
         agrees.append(agree)
         if state["step"] % args.eval_every == 0:

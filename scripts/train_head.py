@@ -26,6 +26,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -191,14 +192,19 @@ def unrolled_steps(head: EagleHead, batch: dict, to_draft: torch.Tensor, unroll:
         hidden, from_target = states, False
 
 
-def head_loss(head: EagleHead, batch: dict, to_draft: torch.Tensor, unroll: int) -> tuple[torch.Tensor, list[float]]:
-    """Training-time test over `unroll` steps (`unrolled_steps`): the loss, step j weighted 0.8^j, and each step's
-    agreement with the target's argmax."""
-    total, agree = 0.0, []
-    for j, (per, hit, valid) in enumerate(unrolled_steps(head, batch, to_draft, unroll)):
-        total = total + (0.8 ** j) * per[valid].mean()
-        agree.append(float(hit[valid].float().mean()))
-    return total, agree
+def head_loss(head: EagleHead, batch: dict | Sequence[dict], to_draft: torch.Tensor,
+              unroll: int) -> tuple[torch.Tensor, list[float]]:
+    """Training-time test over `unroll` steps (`unrolled_steps`) on a batch, or on the groups of one batch each padded
+    to its own width (head_data.length_groups; the same loss as the batch padded whole): the loss, step j's mean over
+    every position weighted 0.8^j, and each step's agreement with the target's argmax."""
+    sums, hits, counts = [0.0] * unroll, [0.0] * unroll, [0] * unroll
+    for part in [batch] if isinstance(batch, dict) else batch:
+        for j, (per, hit, valid) in enumerate(unrolled_steps(head, part, to_draft, unroll)):
+            sums[j] = sums[j] + per[valid].sum()
+            hits[j] += float(hit[valid].sum())
+            counts[j] += int(valid.sum())
+    total = sum((0.8 ** j) * sums[j] / max(counts[j], 1) for j in range(unroll))
+    return total, [h / max(c, 1) for h, c in zip(hits, counts)]
 
 
 def make_head(target, vocab_ids: torch.Tensor) -> EagleHead:

@@ -6,10 +6,14 @@ figure's document is refused."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
 from conftest import VOCAB, tiny
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scripts import head_data, head_train_online, pd_corpus
 from scripts.head_data import Position
@@ -383,3 +387,40 @@ def test_misread_inputs_move_one_input_and_keep_the_labels():
     assert got["random tokens"]["ids"].max() < 7 and not torch.equal(got["random tokens"]["ids"], ids)
     assert all(torch.equal(g["top_id"], ids + 1) and g["mask"].all() for g in got.values())
     assert all(torch.equal(g["ids"], ids) for how, g in got.items() if "token" not in how)
+
+
+@given(st.lists(st.integers(1, 600), max_size=9), st.integers(1, 3))
+@settings(max_examples=200, deadline=None)
+def test_length_groups_cut_a_batch_where_it_pads_least(lengths, parts):
+    groups = head_data.length_groups(lengths, parts)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths))) and len(groups) <= parts
+    area = lambda gs: sum(len(g) * max(lengths[i] for i in g) for g in gs)  # noqa: E731
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    cuts = [c for k in range(parts) for c in itertools.combinations(range(1, len(order)), k)]
+    every = [[order[a:b] for a, b in zip((0, *c), (*c, len(order)))] for c in cuts] if lengths else [[]]
+    assert area(groups) == min(area(gs) for gs in every)  # the least padding any cut of the sorted batch gives
+
+
+def test_a_batch_learned_in_length_groups_has_the_loss_and_gradient_of_the_batch_padded_whole(target):
+    from scripts.train_head import draft_index, head_loss, make_head
+
+    torch.manual_seed(2)
+    ids = torch.arange(6, 46)
+    head = make_head(target, ids)
+    reader = head_train_online.Reader(target, torch.float32, 4)
+    seqs = [torch.randint(6, VOCAB, (n,)).tolist() for n in (24, 7, 9, 24, 5)]
+    to_draft = draft_index(ids, VOCAB)
+    whole = head_train_online.labelled(reader, seqs, PAD, "cpu")
+    groups = head_data.length_groups([len(s) for s in seqs])
+    assert groups == [[4, 1, 2], [0, 3]]
+    parts = [head_train_online.labelled(reader, [seqs[i] for i in g], PAD, "cpu") for g in groups]
+    assert sum(p["ids"].numel() for p in parts) == 3 * 9 + 2 * 24 < whole["ids"].numel() == 5 * 24
+    grads = []
+    for batch in (whole, parts):
+        head.zero_grad()
+        loss, agree = head_loss(head, batch, to_draft, 3)
+        loss.backward()
+        grads.append(([p.grad.clone() for p in head.parameters() if p.requires_grad], float(loss.detach()), agree))
+    (g1, l1, a1), (g2, l2, a2) = grads
+    assert abs(l1 - l2) < 1e-5 and a1 == a2
+    assert all(torch.allclose(x, y, atol=1e-6, rtol=1e-4) for x, y in zip(g1, g2))
