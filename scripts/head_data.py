@@ -298,15 +298,16 @@ def is_chat(item: int, share: float) -> bool:
 
 class Stream:
     """The sequences training reads, in a fixed order: chats (the answered requests as long as any are unread, then the
-    technical ones, then the written ones) and plain windows (the technical corpus's at `tech_windows` of them, else
-    the corpus's). Each kind keeps its own count, so answers added on a resume are read next, nothing is read twice,
-    and the shares may change on a resume."""
+    technical and the written ones, technical at `tech_share` of them while both are unread) and plain windows (the
+    technical corpus's at `tech_windows` of them, else the corpus's). Each kind keeps its own count, so answers added
+    on a resume are read next, nothing is read twice, and the shares may change on a resume."""
 
     def __init__(self, corpus: Corpus, chats: list[Chat], window: int, chat_share: float, seed: int,
                  written: Sequence[Chat] = (), tech: Corpus | None = None, tech_chats: Sequence[Chat] = (),
-                 tech_windows: float = 0.0) -> None:
+                 tech_windows: float = 0.0, tech_share: float = 0.5) -> None:
         self.corpus, self.chats, self.written, self.window, self.share = corpus, chats, written, window, chat_share
-        self.tech, self.tech_chats, self.tech_share = tech, tech_chats, tech_windows if tech is not None else 0.0
+        self.tech, self.tech_chats, self.tech_windows = tech, tech_chats, tech_windows if tech is not None else 0.0
+        self.tech_share = tech_share
         self.starts = corpus.windows(window, held=False)
         random.Random(f"plain:{seed}").shuffle(self.starts)
         self.tech_starts = tech.windows(window, held=False) if tech is not None else []
@@ -318,16 +319,17 @@ class Stream:
         p = asdict(pos)
         for _ in range(n):
             chat = is_chat(p["item"], self.share)
+            tech_left, written_left = p["tech"] < len(self.tech_chats), p["written"] < len(self.written)
             if chat and p["chat"] < len(self.chats):
                 seqs.append(self.chats[p["chat"]].ids[:self.window])
                 p["chat"] += 1
-            elif chat and p["tech"] < len(self.tech_chats):
+            elif chat and tech_left and (not written_left or is_chat(p["tech"] + p["written"], self.tech_share)):
                 seqs.append(self.tech_chats[p["tech"]].ids[:self.window])
                 p["tech"] += 1
-            elif chat and p["written"] < len(self.written):
+            elif chat and written_left:
                 seqs.append(self.written[p["written"]].ids[:self.window])
                 p["written"] += 1
-            elif is_chat(p["plain"] + p["tech_plain"], self.tech_share):
+            elif is_chat(p["plain"] + p["tech_plain"], self.tech_windows):
                 start = self.tech_starts[p["tech_plain"] % len(self.tech_starts)]
                 seqs.append(self.tech.ids[start:start + self.window].tolist())
                 p["tech_plain"] += 1

@@ -76,6 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "head_data.TECH_TASKS) answered by the target, in all; read after the answered requests")
     p.add_argument("--tech-windows", type=float, default=0.0,
                    help="share of the plain windows read from the technical corpus (may change on a resume)")
+    p.add_argument("--tech-share", type=float, default=0.5,
+                   help="share of the technical requests among the chats read while technical and written ones are "
+                        "both unread (may change on a resume)")
     p.add_argument("--answer-share", type=float, default=0.3, help="most share of the budget spent answering")
     p.add_argument("--held-chats", type=int, default=32)
     p.add_argument("--held-windows", type=int, default=32)
@@ -273,7 +276,8 @@ def prepare_data(args, target, prompter, pad: int, stop: tuple[int, ...], clock:
         kinds += [KINDS.index("tech_chats")] * len(held_tech) + [KINDS.index("tech")] * (len(more) - len(held_tech))
     stream = head_data.Stream(corpus, head_data.read_chats(args.work / "answers"), args.window, args.chat_share,
                               args.seed, head_data.read_chats(args.work / "written"), tech,
-                              head_data.read_chats(args.work / "tech") if tech is not None else (), args.tech_windows)
+                              head_data.read_chats(args.work / "tech") if tech is not None else (), args.tech_windows,
+                              args.tech_share)
     return stream, held_seqs, kinds
 
 

@@ -207,9 +207,9 @@ def test_technical_requests_and_windows_come_from_the_technical_corpus_and_resum
     chats = head_data.read_chats(work / "tech")
     assert [c.ids[:c.prompt_len] for c in chats] == asked[:3] and record["data"]["tech"]["requests"] == 3
     assert record["data"]["held-tech"]["requests"] == 2 and record["data"]["tech_tokens"] == len(tech_ids)
-    # 12 items at half chats: the 2 answered requests, the 3 technical ones, then a written one; half the 6 windows
-    # technical
-    assert record["data"]["position"] == {"item": 12, "chat": 2, "plain": 3, "written": 1, "tech": 3, "tech_plain": 3}
+    # 12 items at half chats: the 2 answered requests, then written and technical ones by turns (--tech-share 0.5);
+    # half the 6 windows technical
+    assert record["data"]["position"] == {"item": 12, "chat": 2, "plain": 3, "written": 2, "tech": 2, "tech_plain": 3}
     last = curve(work)[-1]
     assert len(last["held_agree_tech"]) == len(last["held_agree_tech_chats"]) == 5
     assert last["held_positions"] == sum(len(s) - 1 for s in (
@@ -220,10 +220,14 @@ def test_technical_requests_and_windows_come_from_the_technical_corpus_and_resum
     seqs, _ = stream.take(Position(), 3)
     starts = [next(s for s in stream.tech_starts if tech_ids[s:s + 24].tolist() == q) for q in seqs]
     assert starts == stream.tech_starts[:3] and all(s not in held for s in stream.tech_starts)
-    # a resume with no technical share left reads the corpus's windows from where they stopped: 6 items, the last
-    # written request, then windows (the chats run out)
-    resumed = head_train_online.run(arguments(work, steps=6, **common | {"tech_windows": 0.0}, resume=True), target,
-                                    prompter, PAD, STOP, say)
+    mixed = head_data.Stream(head_data.Corpus(corpus_ids), [], 24, 1.0, 0, [head_data.Chat(i, [8, i], 1) for i in range(4)],
+                             tech, [head_data.Chat(i, [9, i], 1) for i in range(3)], tech_share=0.25)
+    seqs, end = mixed.take(Position(), 8)  # a technical request every 4 chats; once the written run out, technical ones
+    assert [s[0] for s in seqs[:7]] == [8, 8, 8, 9, 8, 9, 9] and (end.tech, end.written, end.tech_plain) == (3, 4, 0)
+    # a resume with no technical windows left reads the corpus's from where they stopped: 6 items, the last technical
+    # request, then windows (the chats run out)
+    resumed = head_train_online.run(arguments(work, steps=6, **common | {"tech_windows": 0.0, "tech_share": 1.0},
+                                              resume=True), target, prompter, PAD, STOP, say)
     assert resumed["data"]["position"] == {"item": 18, "chat": 2, "plain": 8, "written": 2, "tech": 3,
                                            "tech_plain": 3}
     assert resumed["data"]["distinct_tokens"] == sum(len(c.ids[:24]) for c in head_data.read_chats(work / "answers")
