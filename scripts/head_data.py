@@ -124,7 +124,7 @@ class Corpus:
         return self.ids[start:start + length].tolist()
 
 
-def tokenize_corpus(tokenizer, sources: Sequence[str] = ("shakespeare", "sotu")) -> np.ndarray:
+def tokenize_corpus(tokenizer, sources: Sequence[str] = CORPORA["corpus"]) -> np.ndarray:
     """pd_corpus's training text of `sources`, checked against every document figures are reported on: (N,) uint16."""
     from scripts import pd_corpus
 

@@ -73,7 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--write-new", type=int, default=256, help="most tokens of a written text")
     p.add_argument("--tech", type=int, default=0,
                    help="training requests about a passage of the technical corpus (Django's documentation: "
-                        "head_data.TECH_TASKS) answered by the target, in all; read after the answered requests")
+                        "head_data.TECH_TASKS) answered by the target, in all; read after the answered requests, by turns "
+                        "with the written ones (--tech-share)")
     p.add_argument("--tech-windows", type=float, default=0.0,
                    help="share of the plain windows read from the technical corpus (may change on a resume)")
     p.add_argument("--tech-share", type=float, default=0.5,
