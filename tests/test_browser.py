@@ -11,8 +11,10 @@ present, else the fake engine (tests/fixtures/fake_engine.py); the test id says 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -47,6 +49,35 @@ def bundled_pair_missing() -> str:
 ENGINE = "fake" if bundled_pair_missing() else "bundled"
 
 
+# open unless a test closes it: a closed gate holds every click's generation before its first step (after the
+# prefill's progress is shown), so a test can act while a run is surely going, however fast the run would end
+GATE = threading.Event()
+GATE.set()
+GATE_WAIT_S = 600.0  # a test that fails with the gate closed must not hold the server's runs forever
+
+
+def gated(generate):
+    """`generate` whose requests wait at the gate before the engine (and its clock) starts."""
+
+    def waiting(*args, **kwargs):
+        GATE.wait(GATE_WAIT_S)
+        yield from generate(*args, **kwargs)
+
+    return waiting
+
+
+def gated_factory(factory):
+    """`factory`'s pairs, their generation held by the gate (the plain and the race's one-prefill generate alike)."""
+
+    def load(choice, progress):
+        loaded = factory(choice, progress)
+        race = loaded.race
+        return dataclasses.replace(loaded, generate=gated(loaded.generate),
+                                   race=None if race is None else lambda: gated(race()))
+
+    return load
+
+
 @pytest.fixture(scope="module")
 def studio_url():
     from app import Settings, build_app, launch, real_factory
@@ -57,6 +88,7 @@ def studio_url():
         from fixtures.fake_engine import fake_factory
 
         factory, max_new = fake_factory(step_s=0.03), 48
+    factory = gated_factory(factory)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -99,6 +131,17 @@ def pick_sample(page, chars: int) -> None:
     page.fill("#document textarea", text[:chars])
 
 
+def status_shows(page, condition: str, timeout_s: float) -> None:
+    """Wait until the main tab's status text `s` meets `condition` (JavaScript); the failure says what it showed."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.wait_for_function(f"(s => {condition})(document.querySelector('#status').innerText)",
+                               timeout=timeout_s * 1000)
+    except PlaywrightTimeout:
+        pytest.fail(f"the status never met {condition} in {timeout_s:.0f} s; it shows: {page.inner_text('#status')!r}")
+
+
 def set_number(page, selector: str, value: int) -> None:
     page.fill(selector, str(value))
     page.press(selector, "Tab")
@@ -113,18 +156,21 @@ def test_a_race_draws_every_panel(studio_url, browser, engine):
     pick_sample(page, DOCUMENT_CHARS)
     page.get_by_role("checkbox", name="the target alone (also checks exactness)").uncheck()
     page.get_by_text("Knobs").click()
-    # long enough to be going when Run is clicked again: with lookup on this sample a run of 4 x max_new tokens could
-    # end between the page showing its progress and the second click on a busy CI machine (it did once), and the click
-    # then started a new run instead of being refused
-    set_number(page, "#max-new input[type=number]", 16 * max_new)
-    page.click("#run")
-    page.wait_for_function("document.querySelector('#stepper') === null || "
-                           "!document.querySelector('#stepper').checkVisibility()")
-    # the run has begun (its own progress replaced the click's "Starting"): on a busy machine the queue can take a while
-    page.wait_for_function("(s => s.length > 0 && !s.startsWith('Ready') && !s.startsWith('Starting'))"
-                           "(document.querySelector('#status').innerText)", timeout=120_000)
-    page.click("#run")  # again, while the run goes: the page says so (a busy machine answers late), and the run goes on
-    page.wait_for_function("document.querySelector('#status').innerText.includes('A run is going')", timeout=120_000)
+    set_number(page, "#max-new input[type=number]", 4 * max_new)
+    # the run is held at the gate until the second click has been answered: a run that ended first (the target's
+    # answer can end early, a busy machine can answer the click late) would make that click start a new run instead
+    GATE.clear()
+    try:
+        page.click("#run")
+        page.wait_for_function("document.querySelector('#stepper') === null || "
+                               "!document.querySelector('#stepper').checkVisibility()")
+        # the run has begun (its own progress replaced the click's "Starting"): on a busy machine the queue can take
+        # a while
+        status_shows(page, "s.length > 0 && !s.startsWith('Ready') && !s.startsWith('Starting')", 120)
+        page.click("#run")  # again, while the run goes: the page says so, and the run goes on
+        status_shows(page, "s.includes('A run is going')", 120)
+    finally:
+        GATE.set()
     page.wait_for_function("document.querySelector('#status').innerText.includes('Done.')", timeout=900_000)
     assert "se-bad" not in page.inner_html("#status"), page.inner_text("#status")
     assert "A run is going" not in page.inner_text("#status")
