@@ -120,6 +120,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup-tokens", type=float, default=2e5)
     p.add_argument("--schedule-tokens", type=float, default=2e7, help="tokens of the cosine's length (then --lr-floor)")
     p.add_argument("--lr-floor", type=float, default=0.1, help="the cosine's end, a share of --lr")
+    p.add_argument("--decay-share", type=float, default=0.0,
+                   help="in this last share of the run's training time (its --minutes budget, after answering) the "
+                        "learning rate falls linearly to --lr-floor x the schedule's (warmup-stable-decay: the head "
+                        "and checkpoint written are the decayed ones; a resume starts back at the schedule)")
     p.add_argument("--checkpoint-minutes", type=float, default=5.0)
     p.add_argument("--eval-every", type=int, default=100, help="steps between evaluations on the held-out set")
     p.add_argument("--threads", type=int, default=2)
@@ -165,6 +169,15 @@ def learning_rate(args, tokens: int) -> float:
     warm = min(1.0, (tokens + 1) / args.warmup_tokens)
     done = min(1.0, tokens / args.schedule_tokens)
     return args.lr * warm * (args.lr_floor + (1 - args.lr_floor) * 0.5 * (1 + math.cos(math.pi * done)))
+
+
+def decayed(args, passed: float) -> float:
+    """The schedule's multiplier once `passed` (a share) of the run's training time has gone: 1 until its last
+    --decay-share, then falling linearly to --lr-floor at its end."""
+    if not args.decay_share:
+        return 1.0
+    into = (passed - (1.0 - args.decay_share)) / args.decay_share
+    return 1.0 - (1.0 - args.lr_floor) * min(1.0, max(0.0, into))
 
 
 def labelled(reader: Reader, seqs: list[list[int]], pad: int, device) -> dict:
@@ -224,6 +237,12 @@ class Clock:
     def left(self) -> float:
         """Seconds left before the reserve kept for the end (negative once past it)."""
         return -1.0 if self.stopped else self.end - self.reserve - time.time()
+
+    def passed(self, since: float) -> float:
+        """The share gone of the time from `since` to the budget's reserve (0 with no budget)."""
+        if self.end == float("inf"):
+            return 0.0
+        return min(1.0, (time.time() - since) / max(1e-9, self.end - self.reserve - since))
 
     def before(self, share: float) -> float:
         """Seconds left before `share` of the budget has passed."""
@@ -385,6 +404,9 @@ def run(args, target, prompter, pad: int, stop: tuple[int, ...], say=print, cloc
     dtypes = {"read_dtype": str(read_dtype).replace("torch.", ""), "step_dtype": str(step_dtype).replace("torch.", "")}
     began, minutes0 = time.time(), state["minutes"]
 
+    def lr_now() -> float:
+        return learning_rate(args, state["tokens"]) * decayed(args, clock.passed(began))
+
     def distinct(pos: Position) -> int:
         """Token-positions of distinct sequences read so far (each chat once; plain windows up to one epoch)."""
         read = [*stream.chats[:pos.chat], *stream.tech_chats[:pos.tech], *stream.written[:pos.written]]
@@ -401,7 +423,7 @@ def run(args, target, prompter, pad: int, stop: tuple[int, ...], say=print, cloc
         with autocast:
             got = evaluate(head, held_batches, to_draft, args.unroll)
         row = {"step": state["step"], "tokens": state["tokens"], "distinct_tokens": distinct(state["pos"]),
-               "minutes": round(minutes0 + (time.time() - began) / 60, 2), "lr": learning_rate(args, state["tokens"]),
+               "minutes": round(minutes0 + (time.time() - began) / 60, 2), "lr": lr_now(),
                "loss": round(sum(losses) / len(losses), 4) if losses else None,
                "train_agree": [round(sum(a[j] for a in agrees) / len(agrees), 4) for j in range(args.unroll)]
                if agrees else None, **got, "device": device.type, **dtypes}
@@ -419,7 +441,7 @@ def run(args, target, prompter, pad: int, stop: tuple[int, ...], say=print, cloc
         parts = [labelled(reader, [seqs[i] for i in group], pad, device)
                  for group in head_data.length_groups([len(q) for q in seqs], args.groups)]
         for g in opt.param_groups:
-            g["lr"] = learning_rate(args, state["tokens"])
+            g["lr"] = lr_now()
         with step_cast:
             loss, agree = head_loss(head, parts, to_draft, args.unroll)
         opt.zero_grad()

@@ -6,6 +6,7 @@ figure's document is refused."""
 
 from __future__ import annotations
 
+import argparse
 import itertools
 
 import numpy as np
@@ -428,3 +429,15 @@ def test_a_batch_learned_in_length_groups_has_the_loss_and_gradient_of_the_batch
     (g1, l1, a1), (g2, l2, a2) = grads
     assert abs(l1 - l2) < 1e-5 and a1 == a2
     assert all(torch.allclose(x, y, atol=1e-6, rtol=1e-4) for x, y in zip(g1, g2))
+
+
+def test_the_decay_holds_the_schedule_then_falls_linearly_to_the_floor_by_the_budgets_end():
+    args = argparse.Namespace(decay_share=0.25, lr_floor=0.1)
+    assert [head_train_online.decayed(args, p) for p in (0.0, 0.5, 0.75)] == [1.0, 1.0, 1.0]
+    assert head_train_online.decayed(args, 0.875) == pytest.approx(0.55)  # half way down
+    assert head_train_online.decayed(args, 1.0) == pytest.approx(0.1)
+    assert head_train_online.decayed(argparse.Namespace(decay_share=0.0, lr_floor=0.1), 1.0) == 1.0  # none asked
+    clock = head_train_online.Clock(minutes=10, reserve_s=60)  # 540 s of training before the reserve
+    assert clock.passed(clock.start) == pytest.approx(0.0, abs=0.01)
+    assert clock.passed(clock.start - 270) == pytest.approx(270 / 810, abs=0.01)  # 270 s gone of 810
+    assert head_train_online.Clock(minutes=0, reserve_s=0).passed(0.0) == 0.0  # no budget: no decay
