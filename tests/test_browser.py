@@ -142,6 +142,11 @@ def status_shows(page, condition: str, timeout_s: float) -> None:
         pytest.fail(f"the status never met {condition} in {timeout_s:.0f} s; it shows: {page.inner_text('#status')!r}")
 
 
+def wait_status(page, words: str, timeout_s: float = 60) -> None:
+    """Wait until the main tab's status says `words`."""
+    status_shows(page, f"s.includes({json.dumps(words)})", timeout_s)
+
+
 def set_number(page, selector: str, value: int) -> None:
     page.fill(selector, str(value))
     page.press(selector, "Tab")
@@ -168,10 +173,10 @@ def test_a_race_draws_every_panel(studio_url, browser, engine):
         # a while
         status_shows(page, "s.length > 0 && !s.startsWith('Ready') && !s.startsWith('Starting')", 120)
         page.click("#run")  # again, while the run goes: the page says so, and the run goes on
-        status_shows(page, "s.includes('A run is going')", 120)
+        wait_status(page, "A run is going", 120)
     finally:
         GATE.set()
-    page.wait_for_function("document.querySelector('#status').innerText.includes('Done.')", timeout=900_000)
+    wait_status(page, "Done.", 900)
     assert "se-bad" not in page.inner_html("#status"), page.inner_text("#status")
     assert "A run is going" not in page.inner_text("#status")
     # every panel drew: plotly graph divs with traces, and the output text
@@ -245,8 +250,7 @@ def test_needle_teaching_tab_compares_two_signals_and_streaming(studio_url, brow
     page.get_by_role("tab", name="Long input or long output").click()
     page.fill("#document textarea", "word " * (MAX_CHARS // 4))
     page.click("#run")
-    page.wait_for_function("document.querySelector('#status').innerText.includes('up to 50,000 characters')",
-                           timeout=30_000)
+    wait_status(page, "up to 50,000 characters", 30)
     page.wait_for_timeout(1500)  # the step control's update comes after the run's answer
     assert not page.locator("#stepper").is_visible()
     assert "waiting for the run" not in page.inner_text("#output")
@@ -272,7 +276,7 @@ def test_lookup_copies_show_in_the_output_and_the_retrieval_panel(studio_url, br
     page.get_by_text("Knobs").click()
     set_number(page, "#max-new input[type=number]", 24)
     page.click("#run")
-    page.wait_for_function("document.querySelector('#status').innerText.includes('Done.')", timeout=900_000)
+    wait_status(page, "Done.", 900)
     assert "se-bad" not in page.inner_html("#status"), page.inner_text("#status")
     page.wait_for_function("(document.querySelector('#retrieval-plot .js-plotly-plot')?._fullData || []).length > 0",
                            timeout=60_000)
@@ -352,7 +356,7 @@ def test_the_step_control_moves_every_panel_through_a_replayed_trace(studio_url,
     last = max(e["step"] for e in events if e["type"] == "Verified")
     page = open_replay(browser, url)
     page.click("#replay")
-    page.wait_for_function("document.querySelector('#status').innerText.includes('Done.')", timeout=120_000)
+    wait_status(page, "Done.", 120)
     page.wait_for_selector("#stepper", state="visible", timeout=30_000)
     wait_for_step(page, last)
     end = stepped(page)
@@ -397,10 +401,9 @@ def test_stop_during_a_replay_is_said_until_the_end_and_the_end_stays(studio_url
     page = open_replay(browser, url)
     page.get_by_label("recorded pace").check()
     page.click("#replay")
-    page.wait_for_function("document.querySelector('#status').innerText.includes('step ')", timeout=60_000)
+    wait_status(page, "step ", 60)
     page.click("#stop")
-    page.wait_for_function("document.querySelector('#status').innerText.includes('Stopped, as asked')",
-                           timeout=30_000)
+    wait_status(page, "Stopped, as asked", 30)
     page.wait_for_timeout(3000)
     status = page.inner_text("#status")
     assert "Stopped, as asked" in status and "Stopping" not in status
@@ -458,11 +461,6 @@ def new_page(browser, url: str):
     return page
 
 
-def wait_status(page, words: str, timeout: int = 60_000) -> None:
-    page.wait_for_function(f"document.querySelector('#status').innerText.includes({json.dumps(words)})",
-                           timeout=timeout)
-
-
 @pytest.mark.parametrize("engine", [ENGINE])
 def test_a_refused_click_does_not_wait_behind_another_tabs_run(studio_url, browser, engine):
     """The server runs one generation at a time; while one tab's run holds that slot, another tab's Run on an empty
@@ -470,13 +468,13 @@ def test_a_refused_click_does_not_wait_behind_another_tabs_run(studio_url, brows
     url, _ = studio_url
     running, refused = new_page(browser, url), new_page(browser, url)
     running.click("#run")
-    wait_status(running, "SpecExtend", timeout=300_000)  # its first run has begun (the model loaded, if it had to)
+    wait_status(running, "SpecExtend", timeout_s=300)  # its first run has begun (the model loaded, if it had to)
     refused.fill("#document textarea", "")
     refused.click("#run")
     wait_status(refused, "The document is empty")
     assert "Done." not in running.inner_text("#status")  # the first run still holds the slot
     running.click("#stop")
-    wait_status(running, "Stopped, as asked", timeout=120_000)
+    wait_status(running, "Stopped, as asked", timeout_s=120)
     running.close()
     refused.close()
 
@@ -496,9 +494,9 @@ def test_a_fresh_page_runs_on_its_defaults_and_stop_leaves_nothing_stale(studio_
     assert f"{listed} tokens in the document" in page.inner_text("#doc-info")  # the readout counts as the list does
     assert "Ready: a sample document is loaded" in page.inner_text("#status")
     page.click("#run")
-    wait_status(page, "SpecExtend", timeout=300_000)  # its first run has begun (the model loaded, if it had to)
+    wait_status(page, "SpecExtend", timeout_s=300)  # its first run has begun (the model loaded, if it had to)
     page.click("#stop")
-    wait_status(page, "Stopped, as asked", timeout=120_000)
+    wait_status(page, "Stopped, as asked", timeout_s=120)
     page.wait_for_selector("#stepper", state="visible", timeout=30_000)
     page.wait_for_function("document.querySelector('#readout').innerText.includes('did not run')", timeout=30_000)
     seen = texts(page)
@@ -529,7 +527,7 @@ def test_a_replay_says_so_and_stopped_in_its_prefill_leaves_nothing_stale(studio
                            timeout=30_000)
     page.wait_for_timeout(1000)
     page.click("#stop")
-    wait_status(page, "Stopped, as asked", timeout=30_000)
+    wait_status(page, "Stopped, as asked", timeout_s=30)
     page.wait_for_selector("#stepper", state="visible", timeout=30_000)
     page.wait_for_function("document.querySelector('#step-info').innerText.length > 0", timeout=30_000)
     seen = texts(page)
@@ -581,7 +579,7 @@ def test_a_refused_click_clears_the_panels_and_a_new_input_clears_the_refusal(st
             chooser.value.set_files(str(upload))
         else:
             page.get_by_label("long output: write at length from a short prompt").check()
-        wait_status(page, "Ready", timeout=10_000)
+        wait_status(page, "Ready", timeout_s=10)
         assert "empty" not in page.inner_text("#status"), change
         if change == "workload":
             page.get_by_label("long input: read a document, write a short answer").check()
