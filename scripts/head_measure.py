@@ -11,6 +11,10 @@
             of `--files` (text nobody tuned for), the target reading in bf16 as training does, the share of
             those positions whose target argmax the head's draft vocabulary holds (`in_vocab`), and the first
             token's agreement apart by how sure the target was of its argmax (`by_confidence`)
+  groups    a training step (the target's reading, the head's training-time test, AdamW) on the stream's next
+            batches after the checkpoint's position, each batch padded whole against read and learned in `--groups`
+            length groups (head_data.length_groups), alternating, at learning rate 0 (the head stays as it is):
+            seconds a step, and the padding each way
   inputs    whether a head reads its inputs where they belong: its first-token agreement on the target's texts about
             held-out topics as read (teacher-forced), then with the target's features taken one position later or
             earlier, the token it reads one position earlier or random, and no features at all; a head trained on
@@ -21,6 +25,7 @@
   python -m scripts.head_measure generate --work cache/head-online --written --prompts 128 --single 0 --max-new 96 \
       --dtypes bfloat16 --batches 16 64 128 --repeats 2
   python -m scripts.head_measure online --work cache/head-online --repeats 3
+  python -m scripts.head_measure groups --work cache/head-online3 --repeats 10 --groups 2
   python -m scripts.head_measure inputs --heads assets/models/smollm2-135m-eagle3 --prompts 16 --max-new 200
   python -m scripts.head_measure agree --heads assets/models/smollm2-135m-eagle3 cache/head-online2/head --prompts 32 \
       --max-new 256 --files /usr/share/common-licenses/GPL-3
@@ -41,7 +46,9 @@ from pathlib import Path
 import torch
 
 from scripts import head_data
-from scripts.head_train_online import Reader, in_dtype, labelled
+from scripts.head_data import Position
+from scripts.head_train_online import (CHECKPOINT, Reader, in_dtype, labelled, open_stream, read_groups, train_step,
+                                       wants_tech)
 from scripts.train_head import draft_index, head_loss, head_vocab, make_head, unrolled_steps
 
 CONFIDENCE = (0.0, 0.3, 0.5, 0.7, 0.9)  # agree: the lower edges of the target's top-1 probability buckets
@@ -148,6 +155,35 @@ def measure_online(args, tokenizer, target, corpus) -> None:
     print(json.dumps({"measure": "online", "batch": args.batch, "window": args.window, "unroll": args.unroll,
                       "tokens_per_s": per, "shard_bytes_per_token": round(size / tokens),
                       "seconds": {k: [round(t, 2) for t in v] for k, v in parts.items()}}))
+
+
+def measure_groups(args, tokenizer, target, corpus) -> None:
+    ckpt = torch.load(args.work / CHECKPOINT, weights_only=False)
+    run = argparse.Namespace(**ckpt["args"] | {"work": args.work})  # the run's stream, batch and unroll
+    stream = open_stream(run, corpus, head_data.load_corpus(args.work, tokenizer, "tech") if wants_tech(run) else None)
+    head = make_head(target, ckpt["vocab_ids"])
+    head.load_state_dict(ckpt["head"])
+    head.train()
+    to_draft = draft_index(ckpt["vocab_ids"], target.config.vocab_size)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=0.0, weight_decay=0.0)
+    reader, pad = Reader(target, torch.bfloat16, run.topk), head_data.pad_id(tokenizer)
+    cast = torch.autocast("cpu", dtype=torch.bfloat16)
+    pos, seconds, real, padded = Position(**ckpt["state"]["pos"]), {1: [], args.groups: []}, 0, {1: 0, args.groups: 0}
+    for r in range(args.repeats):
+        seqs, pos = stream.take(pos, run.batch)
+        real += sum(map(len, seqs))
+        for groups in (1, args.groups)[::1 if r % 2 else -1]:
+            took, parts = timed(lambda: read_groups(reader, seqs, groups, pad, "cpu"))
+            seconds[groups].append(took + timed(lambda: train_step(head, opt, params, parts, to_draft, run.unroll,
+                                                                   cast))[0])
+            padded[groups] += sum(part["mask"].numel() for part in parts)
+    median = {g: statistics.median(v) for g, v in seconds.items()}
+    print(json.dumps({"measure": "groups", "batches": args.repeats, "batch": run.batch, "groups": args.groups,
+                      "positions": real, "padded": {"whole": padded[1], "grouped": padded[args.groups]},
+                      "seconds_a_step": {"whole": round(median[1], 3), "grouped": round(median[args.groups], 3)},
+                      "speedup": round(median[1] / median[args.groups], 3),
+                      "seconds": {g: [round(t, 2) for t in v] for g, v in seconds.items()}}))
 
 
 def measure_agree(args, tokenizer, target, corpus) -> None:
@@ -264,12 +300,13 @@ def by_confidence(hits: torch.Tensor, sure: torch.Tensor, edges: tuple[float, ..
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=("read", "generate", "online", "agree", "inputs"))
+    p.add_argument("what", choices=("read", "generate", "online", "groups", "agree", "inputs"))
     p.add_argument("--work", type=Path, default=Path("cache/head-online"))
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--unroll", type=int, default=6)
+    p.add_argument("--groups", type=int, default=2, help="groups: length groups a batch is read and learned in")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--single", type=int, default=4, help="prompts answered one at a time")
     p.add_argument("--batches", type=int, nargs="+", default=[16])
@@ -285,9 +322,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     tokenizer, target = load(args.threads)
     corpus = head_data.load_corpus(args.work, tokenizer)
-    {"read": measure_read, "generate": measure_generate, "online": measure_online, "agree": measure_agree,
-     "inputs": measure_inputs}[args.what](
-        args, tokenizer, target, corpus)
+    {"read": measure_read, "generate": measure_generate, "online": measure_online, "groups": measure_groups,
+     "agree": measure_agree, "inputs": measure_inputs}[args.what](args, tokenizer, target, corpus)
 
 
 if __name__ == "__main__":

@@ -294,11 +294,33 @@ def prepare_data(args, target, prompter, pad: int, stop: tuple[int, ...], clock:
         more = head_data.held_out(tech, held_tech, args.window, args.held_tech_windows)
         held_seqs += more
         kinds += [KINDS.index("tech_chats")] * len(held_tech) + [KINDS.index("tech")] * (len(more) - len(held_tech))
-    stream = head_data.Stream(corpus, head_data.read_chats(args.work / "answers"), args.window, args.chat_share,
-                              args.seed, head_data.read_chats(args.work / "written"), tech,
-                              head_data.read_chats(args.work / "tech") if tech is not None else (), args.tech_windows,
-                              args.tech_share)
-    return stream, held_seqs, kinds
+    return open_stream(args, corpus, tech), held_seqs, kinds
+
+
+def open_stream(args, corpus: head_data.Corpus, tech: head_data.Corpus | None) -> head_data.Stream:
+    """The training stream over WORK's answered requests, in the order and shares `args` set."""
+    return head_data.Stream(corpus, head_data.read_chats(args.work / "answers"), args.window, args.chat_share,
+                            args.seed, head_data.read_chats(args.work / "written"), tech,
+                            head_data.read_chats(args.work / "tech") if tech is not None else (), args.tech_windows,
+                            args.tech_share)
+
+
+def read_groups(reader: Reader, seqs: list[list[int]], groups: int, pad: int, device) -> list[dict]:
+    """A batch as the target reads it for training: in at most `groups` length groups (head_data.length_groups)."""
+    return [labelled(reader, [seqs[i] for i in group], pad, device)
+            for group in head_data.length_groups([len(q) for q in seqs], groups)]
+
+
+def train_step(head, opt, params, parts: list[dict], to_draft, unroll: int, cast) -> tuple[float, list[float]]:
+    """One AdamW step of training-time test on a batch read in `parts` (gradient norm clipped to 1), under `cast`
+    (the step's autocast): the loss and the agreement per unrolled step."""
+    with cast:
+        loss, agree = head_loss(head, parts, to_draft, unroll)
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    return float(loss.detach()), agree
 
 
 def start_head(args, target, reader: Reader, stream: head_data.Stream, ckpt: dict | None, pad: int,
@@ -438,18 +460,12 @@ def run(args, target, prompter, pad: int, stop: tuple[int, ...], say=print, cloc
         rows.append(point([], []))
     while clock.left() > 0 and not (args.steps and state["step"] >= args.steps):
         seqs, pos = stream.take(state["pos"], args.batch)
-        parts = [labelled(reader, [seqs[i] for i in group], pad, device)
-                 for group in head_data.length_groups([len(q) for q in seqs], args.groups)]
         for g in opt.param_groups:
             g["lr"] = lr_now()
-        with step_cast:
-            loss, agree = head_loss(head, parts, to_draft, args.unroll)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        loss, agree = train_step(head, opt, params, read_groups(reader, seqs, args.groups, pad, device), to_draft,
+                                 args.unroll, step_cast)
         state.update(step=state["step"] + 1, tokens=state["tokens"] + sum(len(q) for q in seqs), pos=pos)
-        losses.append(float(loss.detach()))
+        losses.append(loss)
         agrees.append(agree)
         if state["step"] % args.eval_every == 0:
             rows.append(point(losses, agrees))

@@ -441,3 +441,30 @@ def test_the_decay_holds_the_schedule_then_falls_linearly_to_the_floor_by_the_bu
     assert clock.passed(clock.start) == pytest.approx(0.0, abs=0.01)
     assert clock.passed(clock.start - 270) == pytest.approx(270 / 810, abs=0.01)  # 270 s gone of 810
     assert head_train_online.Clock(minutes=0, reserve_s=0).passed(0.0) == 0.0  # no budget: no decay
+
+
+def test_the_groups_measure_times_the_runs_next_batches_both_ways_and_leaves_the_head_as_it_was(
+        tmp_path, target, corpus_ids, capsys):
+    import json
+    import types
+
+    from scripts import head_measure
+
+    work = work_folder(tmp_path / "w", corpus_ids)
+    head_train_online.run(arguments(work, steps=2), target, prompter, PAD, STOP, lambda _: None)
+    ckpt = torch.load(work / head_train_online.CHECKPOINT, weights_only=False)
+    corpus = head_data.load_corpus(work)
+    args = argparse.Namespace(work=work, repeats=3, groups=2)
+    head_measure.measure_groups(args, types.SimpleNamespace(pad_token_id=PAD), target, corpus)
+    row = json.loads(capsys.readouterr().out)
+
+    stream = head_train_online.open_stream(argparse.Namespace(**ckpt["args"]), corpus, None)
+    batches = [stream.take(Position(**ckpt["state"]["pos"]), 3 * 3)[0][i:i + 3] for i in range(0, 9, 3)]
+    assert row["positions"] == sum(len(q) for b in batches for q in b)
+    assert row["padded"]["whole"] == sum(len(b) * max(map(len, b)) for b in batches)
+    grouped = sum(len(g) * max(len(b[i]) for i in g) for b in batches
+                  for g in head_data.length_groups([len(q) for q in b], 2))
+    assert row["positions"] <= row["padded"]["grouped"] == grouped <= row["padded"]["whole"]
+    assert all(len(v) == 3 and min(v) > 0 for v in row["seconds"].values())
+    after = torch.load(work / head_train_online.CHECKPOINT, weights_only=False)
+    assert all(torch.equal(ckpt["head"][k], after["head"][k]) for k in ckpt["head"])  # the measure writes nothing
