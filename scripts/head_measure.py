@@ -47,8 +47,8 @@ import torch
 
 from scripts import head_data
 from scripts.head_data import Position
-from scripts.head_train_online import (CHECKPOINT, Reader, in_dtype, labelled, open_stream, read_groups, train_step,
-                                       wants_tech)
+from scripts.head_train_online import (CHECKPOINT, Reader, in_dtype, labelled, open_stream, read_groups, start_head,
+                                       train_step, wants_tech)
 from scripts.train_head import draft_index, head_loss, head_vocab, make_head, unrolled_steps
 
 CONFIDENCE = (0.0, 0.3, 0.5, 0.7, 0.9)  # agree: the lower edges of the target's top-1 probability buckets
@@ -161,13 +161,11 @@ def measure_groups(args, tokenizer, target, corpus) -> None:
     ckpt = torch.load(args.work / CHECKPOINT, weights_only=False)
     run = argparse.Namespace(**ckpt["args"] | {"work": args.work})  # the run's stream, batch and unroll
     stream = open_stream(run, corpus, head_data.load_corpus(args.work, tokenizer, "tech") if wants_tech(run) else None)
-    head = make_head(target, ckpt["vocab_ids"])
-    head.load_state_dict(ckpt["head"])
-    head.train()
-    to_draft = draft_index(ckpt["vocab_ids"], target.config.vocab_size)
+    reader, pad = Reader(target, torch.bfloat16, run.topk), head_data.pad_id(tokenizer)
+    head, vocab_ids = start_head(run, target, reader, stream, ckpt, pad, ())  # the checkpoint's head, training mode
+    to_draft = draft_index(vocab_ids, target.config.vocab_size)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=0.0, weight_decay=0.0)
-    reader, pad = Reader(target, torch.bfloat16, run.topk), head_data.pad_id(tokenizer)
     cast = torch.autocast("cpu", dtype=torch.bfloat16)
     pos, seconds, real, padded = Position(**ckpt["state"]["pos"]), {1: [], args.groups: []}, 0, {1: 0, args.groups: 0}
     for r in range(args.repeats):
