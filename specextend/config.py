@@ -305,6 +305,17 @@ class AttentionConfig:
             raise ValueError(f"steps must be 'auto', 'eager', 'static' or 'captured', got {self.steps!r}")
 
 
+def exact_trees(attention: AttentionConfig, device_type: str = "cpu") -> bool:
+    """Whether a tree's nodes get the bits their tokens will get once committed: in fp32 (its rounding has not moved
+    a greedy token in any race measured), and in bf16-kv where the CPU's bf16 cache attention runs (eager steps on
+    the CPU: it attends each node over its ancestors as if they were committed). Not in bf16, whose fp32 cache goes
+    through the tree kernels, where a node's sums depend on its slot and bf16 products round the difference into
+    other tokens (measured on the bundled target), nor through static or captured steps' split attention."""
+    if attention.numerics == "fp32":
+        return True
+    return attention.numerics == "bf16-kv" and attention.steps in ("auto", "eager") and device_type == "cpu"
+
+
 MAX_TEMPERATURE = 10.0  # beyond this, sampling is close to uniform: a slip, not a setting
 MAX_SEED = 2**63 - 1  # what torch's generator takes
 
@@ -343,11 +354,12 @@ class GenerationConfig:
             raise ValueError("lookup drafting cannot be switched on for the target alone (use method 'lookup')")
         if self.lookup.enabled is False and self.method == "lookup":
             raise ValueError("method 'lookup' is lookup drafting: it cannot be switched off")
-        if self.attention.numerics != "fp32" and self.branching:  # measured: greedy output left the target's
-            raise ValueError(f"a draft tree cannot be verified exactly in {self.attention.numerics} numerics: its nodes "
-                             "sit in other cache slots than the tokens it commits, attention's sums depend on the slot, "
-                             "and bf16 rounding turns that into other tokens; draft a chain (one lookup branch, lookup "
-                             "only on a draft miss), or use numerics fp32")
+        if self.branching and not exact_trees(self.attention):  # measured: greedy output left the target's
+            raise ValueError(f"a draft tree cannot be verified exactly in {self.attention.numerics} numerics with "
+                             f"{self.attention.steps} steps: its nodes sit in other cache slots than the tokens it "
+                             "commits, attention's sums there depend on the slot, and bf16 rounding turns that into "
+                             "other tokens; draft a chain (one lookup branch, lookup only on a draft miss), or use "
+                             "numerics fp32, or bf16-kv with eager steps")
         if self.branching and self.tree_budget > MAX_DRAFT:  # a chain is one proposer's: within MAX_DRAFT by its own checks
             drafted = self.draft.budget if self.uses_draft else 0
             raise ValueError(f"one step can send the target at most {MAX_DRAFT} draft tokens; these proposals side by side "

@@ -71,8 +71,8 @@ def library(head_dim: int = 64) -> ctypes.CDLL | None:
         _WHY.append(f"could not be built: {exc} {detail.decode(errors='replace')[-300:]}".strip())
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.se_bf16_attention.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, ptr,
-                                      i64, i64, i64, i64]
+    lib.se_bf16_attention.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64,
+                                      ptr, i64, i64, i64, i64]
     lib.se_bf16_attention.restype = ctypes.c_int
     lib.se_transpose_check.argtypes = [ptr, ptr]
     return lib
@@ -90,17 +90,26 @@ def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> boo
             and key.stride(-1) == 1 and value.stride(-1) == 1 and query.shape[-1] == d and library(d) is not None)
 
 
+def tail_order(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden (R, tail) bool (True: row r does not see tail key j) -> each row's seen tail keys, ascending, first
+    (R, tail) int32, and how many it sees (R,) int32."""
+    order = torch.argsort(hidden.to(torch.uint8), dim=1, stable=True).to(torch.int32)
+    return order.contiguous(), (~hidden).sum(1, dtype=torch.int32)
+
+
 def bf16_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     """query (B, H_kv, R, D) bf16 (already scaled), key and value (B, H_kv, T, D) bf16, hidden (R, tail) bool (True: row
-    r does not see key T - tail + j) -> (B, H_kv, R, D) fp32. Check `supports` first."""
+    r does not see key T - tail + j) -> (B, H_kv, R, D) fp32. A row attends to the tail keys it sees as if they sat
+    right after the prefix, in order (a tree node over its ancestors as the autoregressive step will see them once
+    they are committed). Check `supports` first."""
     lib = library(key.shape[-1])
     q = query.contiguous()
-    hidden = hidden.to(torch.uint8).contiguous()
+    order, count = tail_order(hidden)
     b, h, rows, d = q.shape
     out = torch.empty(b, h, rows, d, dtype=torch.float32)
     failed = lib.se_bf16_attention(q.data_ptr(), *q.stride()[:3], key.data_ptr(), *key.stride()[:3],
-                                   value.data_ptr(), *value.stride()[:3], hidden.data_ptr(), hidden.shape[1],
-                                   out.data_ptr(), b, h, rows, key.shape[2])
+                                   value.data_ptr(), *value.stride()[:3], order.data_ptr(), count.data_ptr(),
+                                   hidden.shape[1], out.data_ptr(), b, h, rows, key.shape[2])
     if failed:
         raise MemoryError("the bf16 attention kernel could not allocate its scratch memory")
     return out

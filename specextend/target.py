@@ -19,7 +19,7 @@ import torch
 from . import numerics
 from .attention import AttentionPlan, Capture
 from .cache import KVCache
-from .config import GenerationConfig, RetrievalSignal
+from .config import GenerationConfig, RetrievalSignal, exact_trees
 from .drafting import DraftTree
 from .models import final_layer, forward, layer_devices, prefill_dtype, reduced_copy
 from .signal import QueryWindow, combine, head_scores, kv_heads_of
@@ -137,6 +137,10 @@ class Target:
 
     def __init__(self, model, config: GenerationConfig, capacity: int, signal: RetrievalSignal | None = None,
                  features: FeatureRows | None = None) -> None:
+        device = model.get_input_embeddings().weight.device
+        if config.branching and not exact_trees(config.attention, device.type):  # the config checked the CPU's case
+            raise ValueError(f"a draft tree cannot be verified exactly in {config.attention.numerics} numerics on "
+                             f"{device.type}: draft a chain, or use numerics fp32")
         self.model = numerics.apply(model, config.attention.numerics)
         self.kernels = config.attention
         # verification forwards: one token (autoregressive) or padded to the fixed tree budget

@@ -4,6 +4,9 @@ method's greedy output equal to the target alone's in bf16-kv, and steps aside (
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -11,8 +14,9 @@ from hypothesis import strategies as st
 
 from conftest import VOCAB, tiny
 from specextend import cpu_kernels, numerics
+from specextend import events as ev
 from specextend.attention import bf16_cache_attention
-from specextend.config import AttentionConfig, DraftConfig, RetrievalConfig, preset
+from specextend.config import AttentionConfig, DraftConfig, LookupConfig, RetrievalConfig, preset
 from specextend.engine import generate
 from specextend.models import make_pair
 from specextend.verification import tree_mask
@@ -62,52 +66,97 @@ def test_other_head_sizes_and_a_batch(dim):
     torch.testing.assert_close(cpu_kernels.bf16_attention(q, k, v, hidden), reference(q, k, v, hidden), atol=1e-2, rtol=1e-2)
 
 
-@needs_kernel
+@contextmanager
+def kernel(on: bool):
+    """The kernel in use (`on`), or PyTorch's path as where it cannot run."""
+    if on and not BUILT:
+        pytest.skip(f"the bf16 attention kernel is not in use here: {cpu_kernels.status()}")
+    before = os.environ.get("SPECEXTEND_CPU_KERNELS")
+    os.environ["SPECEXTEND_CPU_KERNELS"] = "on" if on else "off"
+    cpu_kernels.library.cache_clear()
+    try:
+        yield
+    finally:
+        os.environ.pop("SPECEXTEND_CPU_KERNELS")
+        if before is not None:
+            os.environ["SPECEXTEND_CPU_KERNELS"] = before
+        cpu_kernels.library.cache_clear()
+
+
+def parents_of(draws: list[int]) -> list[int]:
+    """A tree's parents in the engine's order (a parent before its children; -1: the root's child) from any draws."""
+    return [d % (i + 1) - 1 for i, d in enumerate(draws)]
+
+
+@pytest.mark.parametrize("on", [True, False], ids=["kernel", "pytorch"])
 @settings(max_examples=25, deadline=None)
-@given(prefix=st.integers(1, 600), chain=st.integers(1, 6), threads=st.sampled_from([1, 2]), seed=st.integers(0, 99))
-def test_a_row_gets_the_same_bits_alone_as_in_a_chain(prefix, chain, threads, seed):
-    """Verification row j of a chain sees the prefix and the chain up to j: the autoregressive step at that position
-    sees the same keys, all committed. Greedy output equal across methods rests on these bits being equal."""
-    k, v = cache(prefix + chain, seed=seed)
-    q = torch.randn(1, 9, chain, 64, generator=torch.Generator().manual_seed(seed + 1))
-    mask = tree_mask(list(range(-1, chain - 1)))[1:, 1:]  # (chain, chain): each token sees itself and those before
+@given(prefix=st.integers(1, 600), draws=st.lists(st.integers(0, 99), min_size=1, max_size=14),
+       chain=st.booleans(), threads=st.sampled_from([1, 2]), seed=st.integers(0, 99))
+def test_a_row_gets_the_same_bits_alone_as_in_a_chain_or_a_tree(on, prefix, draws, chain, threads, seed):
+    """Verification row j sees the prefix, the root and its ancestors (in a chain: every token before it): the
+    autoregressive step at that position sees the same keys, committed, right after the prefix. Greedy output equal
+    across methods rests on these bits being equal, in the slots a tree's node has and its token will have."""
+    parents = list(range(-1, len(draws) - 1)) if chain else parents_of(draws)
+    mask = tree_mask(parents)  # (N+1, N+1) over the root and the nodes
+    rows = mask.shape[0]
+    k, v = cache(prefix + rows, seed=seed)
+    q = torch.randn(1, 9, rows, 64, generator=torch.Generator().manual_seed(seed + 1))
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        verified = bf16_cache_attention(q, k, v, mask, 0.125)
-        torch.set_num_threads(3 - threads)  # the other thread count for the steps alone
-        for j in range(chain):
-            end = prefix + j + 1
-            alone = bf16_cache_attention(q[:, :, j : j + 1], k[:, :, :end], v[:, :, :end], torch.ones(1, 1, dtype=torch.bool),
-                                         0.125)
-            assert torch.equal(verified[:, :, j : j + 1], alone), (prefix, chain, j)
-    finally:
-        torch.set_num_threads(before)
+    with kernel(on):
+        torch.set_num_threads(threads)
+        try:
+            verified = bf16_cache_attention(q, k, v, mask, 0.125)
+            torch.set_num_threads(3 - threads)  # the other thread count for the steps alone
+            for j in range(rows):
+                committed = torch.cat([torch.arange(prefix), prefix + mask[j].nonzero()[:, 0]])  # in slot order
+                alone = bf16_cache_attention(q[:, :, j : j + 1], k[:, :, committed], v[:, :, committed],
+                                             torch.ones(1, 1, dtype=torch.bool), 0.125)
+                assert torch.equal(verified[:, :, j : j + 1], alone), (prefix, parents, j)
+        finally:
+            torch.set_num_threads(before)
 
 
-@needs_kernel
-def test_every_method_equals_the_target_alone_with_the_kernel(monkeypatch):
-    calls = []
-    run = cpu_kernels.bf16_attention
-    monkeypatch.setattr(cpu_kernels, "bf16_attention", lambda *a: calls.append(1) or run(*a))
-    # heads of 32 (the kernel's smallest), its own pair: the numerics switch a model in place
-    pair = make_pair(tiny("llama", layers=2, hidden=64, heads=2, kv_heads=1, seed=21),
-                     tiny("llama", layers=1, hidden=64, heads=2, kv_heads=1, seed=22))
-    prompt = torch.randint(0, VOCAB, (300,), generator=torch.Generator().manual_seed(5)).tolist()
-    retrieval = RetrievalConfig(chunk_size=16, top_k=3, retrieve_every=2, prefill_window=32)
+@pytest.mark.parametrize("on", [True, False], ids=["kernel", "pytorch"])
+def test_every_method_and_draft_shape_equals_the_target_alone_in_bf16_kv(monkeypatch, on):
+    with kernel(on):
+        calls = []
+        attend = cpu_kernels.bf16_attention
+        monkeypatch.setattr(cpu_kernels, "bf16_attention", lambda *a: calls.append(1) or attend(*a))
+        # heads of 32 (the kernel's smallest), its own pair: the numerics switch a model in place
+        pair = make_pair(tiny("llama", layers=2, hidden=64, heads=2, kv_heads=1, seed=21),
+                         tiny("llama", layers=1, hidden=64, heads=2, kv_heads=1, seed=22))
+        prompt = torch.randint(0, VOCAB, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+        retrieval = RetrievalConfig(chunk_size=16, top_k=3, retrieve_every=2, prefill_window=32)
+        chain, tree = DraftConfig(shape="chain", k=3), DraftConfig(shape="tree", max_depth=4, node_budget=10, branch=2,
+                                                                   children=3, stop_threshold=0.0)
 
-    def greedy(method: str) -> list[int]:  # chains: bf16-kv refuses a tree (test_numerics)
-        config = preset(method, max_new_tokens=16, retrieval=retrieval, draft=DraftConfig(shape="chain", k=3),
-                        attention=AttentionConfig(numerics="bf16-kv"))
-        return list(list(generate(pair, prompt, config))[-1].token_ids)
+        def run(method: str, draft: DraftConfig = chain, on_pair=pair, **changes) -> list:
+            config = preset(method, max_new_tokens=24, retrieval=retrieval, draft=draft,
+                            attention=AttentionConfig(numerics="bf16-kv"), **changes)
+            return list(generate(on_pair, prompt, config))
 
-    try:
-        alone = greedy("autoregressive")
-        assert calls and len(alone) == 16
-        for method in ("speculative", "specextend", "lookup"):
-            assert greedy(method) == alone, method
-    finally:
-        numerics.apply(pair.target, "fp32")
+        def greedy(*args, **changes) -> list[int]:
+            return list(run(*args, **changes)[-1].token_ids)
+
+        # a draft with the target's own weights: its trees are accepted deep, through nodes whose keys sit in other
+        # slots than their tokens' will (a sibling's subtree before them)
+        twin = make_pair(pair.target, tiny("llama", layers=2, hidden=64, heads=2, kv_heads=1, seed=21))
+        try:
+            alone = greedy("autoregressive")
+            assert bool(calls) == on and len(alone) == 24
+            for method in ("speculative", "specextend", "lookup"):
+                assert greedy(method) == alone, method
+            moved = 0
+            for method in ("speculative", "specextend"):
+                trace = run(method, tree, twin)
+                assert list(trace[-1].token_ids) == alone, (method, "tree")
+                moved += sum(list(e.accepted_nodes) != list(range(len(e.accepted_nodes)))
+                             for e in trace if isinstance(e, ev.Verified))
+            assert moved >= 3
+            assert greedy("lookup", lookup=LookupConfig(branches=3, min_ngram=1)) == alone
+            assert greedy("specextend", lookup=LookupConfig(enabled=True, with_draft="always", min_ngram=1)) == alone
+        finally:
+            numerics.apply(pair.target, "fp32")
 
 
 def test_without_the_kernel_pytorch_attends(monkeypatch):

@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from conftest import VOCAB, tiny
 from specextend import events as ev
 from specextend import numerics
-from specextend.config import MAX_DRAFT, AttentionConfig, DraftConfig, LookupConfig, RetrievalConfig, preset
+from specextend.config import MAX_DRAFT, AttentionConfig, DraftConfig, LookupConfig, RetrievalConfig, exact_trees, preset
 from specextend.engine import generate
 from specextend.models import SkinnyLinear, make_pair
+from specextend.target import Target
 
 pytestmark = pytest.mark.skipif(not numerics.packs_here(), reason="this CPU runs no oneDNN bf16 products")
 N_NEW = 20
@@ -115,20 +116,31 @@ def test_verifications_taller_than_a_row_block_equal_the_target_alone_in_bf16_kv
     numerics.apply(pair.target, "fp32")
 
 
-@pytest.mark.parametrize("setting", ["bf16", "bf16-kv"])
-def test_a_branching_draft_is_refused_outside_fp32(setting):
+@pytest.mark.parametrize("setting,steps", [("bf16", "eager"), ("bf16", "auto"), ("bf16-kv", "static")])
+def test_a_branching_draft_is_refused_where_its_nodes_sums_depend_on_their_slots(setting, steps):
     """Tree nodes sit in other cache slots than the tokens they commit; on the bundled target a tree left the target
-    alone's greedy output in bf16 and bf16-kv (hamlet at 2K, token 40-77) and not in fp32: such configs are refused
-    there, chains kept."""
-    attention = AttentionConfig(numerics=setting)
+    alone's greedy output in bf16 (hamlet at 2K, token 40-77) and not in fp32: such configs are refused there, chains
+    kept. bf16-kv's CPU attention attends a node as it will be committed (test_cpu_kernels), but static steps do not
+    go through it."""
+    attention = AttentionConfig(numerics=setting, steps=steps)
     for method, changes in [("specextend", dict(draft=DraftConfig(shape="tree"))),
                             ("speculative", dict(draft=DraftConfig(shape="tree"))),
                             ("lookup", dict(lookup=LookupConfig(branches=2))),
                             ("specextend", dict(lookup=LookupConfig(enabled=True, with_draft="always")))]:
-        with pytest.raises(ValueError, match=f"cannot be verified exactly in {setting} numerics"):
+        with pytest.raises(ValueError, match=f"cannot be verified exactly in {setting} numerics with {steps} steps"):
             preset(method, attention=attention, **changes)
         assert preset(method, **changes).branching  # in fp32: allowed
+        assert preset(method, attention=AttentionConfig(numerics="bf16-kv"), **changes).branching  # eager bf16-kv too
     assert not preset("specextend", attention=attention, lookup=LookupConfig(enabled=True)).branching
+
+
+def test_a_tree_in_bf16_kv_is_refused_off_the_cpu():
+    """On another device a bf16 cache is not attended by the CPU's kernel: the target refuses the tree there."""
+    config = preset("specextend", draft=DraftConfig(shape="tree"), attention=AttentionConfig(numerics="bf16-kv"))
+    assert exact_trees(config.attention) and not exact_trees(config.attention, "cuda")
+    model = tiny("llama", layers=1, hidden=64, heads=2, kv_heads=1, seed=3).to("meta")
+    with pytest.raises(ValueError, match="cannot be verified exactly in bf16-kv numerics on meta"):
+        Target(model, config, 64)
 
 
 def test_static_steps_in_bf16_kv(pair):

@@ -1,10 +1,13 @@
 /* Attention of a few query rows over a bf16 KV cache, for CPUs with AVX-512 BF16 (numerics "bf16-kv").
 
-   For each (batch, KV head): scores = q . k (bf16 pairs multiplied and summed in fp32 by VDPBF16PS), the last `tail`
-   keys hidden per row by `hidden`, a softmax in fp32, then the bf16-rounded probabilities times the values, summed in
-   fp32. Keys are taken in blocks of BLOCK at fixed positions (0, BLOCK, 2*BLOCK, ...); each block's partial result
-   (max, sum, weighted values) is computed by one thread, and the blocks are merged in order, so a row's result
-   depends only on the keys it sees: the same bits alone as among other rows, whatever the thread count.
+   For each (batch, KV head): scores = q . k (bf16 pairs multiplied and summed in fp32 by VDPBF16PS), a softmax in
+   fp32, then the bf16-rounded probabilities times the values, summed in fp32. Every row sees the prefix (all keys but
+   the last `tail`) and, of the tail, the keys its `order` lists, in that order, as if they sat right after the prefix:
+   a tree node sees its ancestors where the autoregressive step will find them once they are committed, so its sums
+   run in the same order. Keys are taken in blocks of BLOCK at fixed positions (0, BLOCK, 2*BLOCK, ...); each block's
+   partial result (max, sum, weighted values) is computed by one thread, and the blocks are merged in order, so a
+   row's result depends only on the keys it sees and their order: the same bits alone as among other rows, in a
+   chain or a tree, whatever the thread count.
    Built and loaded by specextend/cpu_kernels.py; knows nothing of models or plans. */
 
 #include <immintrin.h>
@@ -93,16 +96,63 @@ static void *scratch(void **buf, size_t *cap, size_t size) {
     return *buf;
 }
 
-/* q: (B, H, R, D) bf16; k, v: (B, H, T, D) bf16 with strides in elements (rows contiguous); hidden: (R, tail) bytes,
-   nonzero where row r does not see key T - tail + j; out: (B, H, R, D) fp32, contiguous; D = HEAD_DIM.
-   Returns 0, or -1 when scratch memory could not be had. */
+/* Block keys [from, to) (block-relative) as the kernel reads them: key j's row is at key(j) (NULL: a zero key) ->
+   kt[p * BLOCK + j], dword p (dims 2p, 2p+1) of key j, whole vectors of 16 keys from the one holding `from`; values
+   -> vi[pair * VECS + x], keys 2j and 2j+1 interleaved, low and high halves per 32 dims, whole pairs likewise. */
+typedef const uint16_t *(*key_at)(const void *ctx, int64_t j, int which);
+
+static void lay_out(uint32_t *kt, __m512i *vi, int64_t from, int64_t to, key_at at, const void *ctx) {
+    for (int64_t g = from / 16; g < (to + 15) / 16; g++) {
+        for (int64_t c = 0; c < HEAD_DIM / 32; c++) {
+            __m512i rows[16];
+            for (int j = 0; j < 16; j++) {
+                const uint16_t *row = at(ctx, 16 * g + j, 0);
+                rows[j] = row ? _mm512_loadu_si512(row + 32 * c) : _mm512_setzero_si512();
+            }
+            transpose16(rows);
+            for (int p = 0; p < 16; p++) _mm512_store_si512(kt + (16 * c + p) * BLOCK + 16 * g, rows[p]);
+        }
+    }
+    for (int64_t j = from / 2; j < (to + 1) / 2; j++) {
+        const uint16_t *a = at(ctx, 2 * j, 1), *z = at(ctx, 2 * j + 1, 1);
+        for (int64_t c = 0; c < HEAD_DIM / 32; c++) {
+            __m512i lo = a ? _mm512_loadu_si512(a + 32 * c) : _mm512_setzero_si512();
+            __m512i hi = z ? _mm512_loadu_si512(z + 32 * c) : _mm512_setzero_si512();
+            vi[j * VECS + 2 * c] = _mm512_unpacklo_epi16(lo, hi);
+            vi[j * VECS + 2 * c + 1] = _mm512_unpackhi_epi16(lo, hi);
+        }
+    }
+}
+
+/* Where a block's key j lies for one row: the prefix in place, then the tail keys the row sees, in its order. */
+typedef struct {
+    const uint16_t *k, *v;      /* the (batch, head)'s keys and values */
+    int64_t k_st, v_st, start, n, first; /* row strides, the block's first key and its count, the tail's first key */
+    const int32_t *order;       /* NULL: the tail in place (every key of the block as it lies) */
+    int32_t count;              /* tail keys the row sees */
+} block_keys;
+
+static const uint16_t *block_key(const void *ctx, int64_t j, int which) {
+    const block_keys *b = ctx;
+    int64_t at = b->start + j;
+    if (j >= b->n) return NULL;
+    if (b->order && at >= b->first) {
+        if (at - b->first >= b->count) return NULL;
+        at = b->first + b->order[at - b->first];
+    }
+    return which ? b->v + at * b->v_st : b->k + at * b->k_st;
+}
+
+/* q: (B, H, R, D) bf16; k, v: (B, H, T, D) bf16 with strides in elements (rows contiguous); order: (R, tail) int32,
+   row r's i-th tail key (0 = key T - tail) for i < count[r], ascending; out: (B, H, R, D) fp32, contiguous;
+   D = HEAD_DIM. Returns 0, or -1 when scratch memory could not be had. */
 int se_bf16_attention(const uint16_t *q, int64_t q_sb, int64_t q_sh, int64_t q_sr,
                       const uint16_t *k, int64_t k_sb, int64_t k_sh, int64_t k_st,
                       const uint16_t *v, int64_t v_sb, int64_t v_sh, int64_t v_st,
-                      const uint8_t *hidden, int64_t tail, float *out,
+                      const int32_t *order, const int32_t *count, int64_t tail, float *out,
                       int64_t B, int64_t H, int64_t R, int64_t T) {
     const int64_t D = HEAD_DIM;
-    const int64_t blocks = (T + BLOCK - 1) / BLOCK, items = B * H * blocks, pairs = D / 2, chunks = D / 32;
+    const int64_t blocks = (T + BLOCK - 1) / BLOCK, items = B * H * blocks, pairs = D / 2;
     const int64_t part = 2 + D; /* per (item, row): max, sum, D weighted values (in lane order) */
     float *partial = scratch(&partial_buf, &partial_cap, sizeof(float) * items * R * part);
     if (!partial) return -1;
@@ -125,29 +175,24 @@ int se_bf16_attention(const uint16_t *q, int64_t q_sb, int64_t q_sh, int64_t q_s
             const int64_t bh = item / blocks, blk = item % blocks, b = bh / H, h = bh % H;
             const int64_t start = blk * BLOCK, n = (T - start < BLOCK ? T - start : BLOCK);
             const int64_t groups = (n + 63) / 64 * 4; /* vectors of 16 keys, a multiple of 4 (zero keys past n) */
-            const uint16_t *kb = k + b * k_sb + h * k_sh + start * k_st, *vb = v + b * v_sb + h * v_sh + start * v_st;
-            /* keys -> kt[p * BLOCK + j]: dword p (dims 2p, 2p+1) of key j; keys past n are zero */
-            for (int64_t g = 0; g < groups; g++) {
-                for (int64_t c = 0; c < pairs / 16; c++) {
-                    __m512i rows[16];
-                    for (int j = 0; j < 16; j++)
-                        rows[j] = (16 * g + j < n) ? _mm512_loadu_si512(kb + (16 * g + j) * k_st + 32 * c)
-                                                   : _mm512_setzero_si512();
-                    transpose16(rows);
-                    for (int p = 0; p < 16; p++) _mm512_store_si512(kt + (16 * c + p) * BLOCK + 16 * g, rows[p]);
-                }
-            }
-            /* values -> vi[pair * VECS + x]: keys 2j and 2j+1 interleaved, low and high halves per 32 dims */
-            for (int64_t j = 0; j < (n + 1) / 2; j++) {
-                for (int64_t c = 0; c < chunks; c++) {
-                    __m512i a = _mm512_loadu_si512(vb + (2 * j) * v_st + 32 * c);
-                    __m512i z = (2 * j + 1 < n) ? _mm512_loadu_si512(vb + (2 * j + 1) * v_st + 32 * c)
-                                                : _mm512_setzero_si512();
-                    vi[j * VECS + 2 * c] = _mm512_unpacklo_epi16(a, z);
-                    vi[j * VECS + 2 * c + 1] = _mm512_unpackhi_epi16(a, z);
-                }
-            }
+            const uint16_t *kb = k + b * k_sb + h * k_sh, *vb = v + b * v_sb + h * v_sh;
+            const int64_t first = T - tail; /* the tail's first key */
+            block_keys in_place = {kb, vb, k_st, v_st, start, n, first, NULL, 0};
+            lay_out(kt, vi, 0, 16 * groups, block_key, &in_place); /* zero keys past n */
+            /* rows that see the tail in place (a chain, the autoregressive step) first, over the block as laid out;
+               then each row that sees it otherwise (a tree node), over the block with its own tail keys in its own
+               places: the layout of every key from the tail's first on is made again for it */
+            const int64_t own = first > start ? first - start : 0;
+            for (int pass = 0; pass < 2; pass++)  /* 0: rows in place; 1: the others */
             for (int64_t r = 0; r < R; r++) {
+                const int32_t *ro = order + r * tail;
+                int in_order = 1;
+                for (int64_t i = 0; i < count[r]; i++) in_order &= ro[i] == i;
+                if (in_order == pass) continue;
+                if (pass && start + n > first) {
+                    block_keys mine = {kb, vb, k_st, v_st, start, n, first, ro, count[r]};
+                    lay_out(kt, vi, own, n, block_key, &mine);
+                }
                 const uint32_t *qp = (const uint32_t *)(q + b * q_sb + h * q_sh + r * q_sr);
                 /* scores, 16 keys a vector, four vectors at a time; two accumulators per vector (even and odd dim
                    pairs), each summed in dim order */
@@ -166,14 +211,9 @@ int se_bf16_attention(const uint16_t *q, int64_t q_sb, int64_t q_sh, int64_t q_s
                     }
                     for (int u = 0; u < 4; u++) _mm512_store_ps(s + 16 * (g + u), _mm512_add_ps(a[u][0], a[u][1]));
                 }
-                /* keys this row does not see: past n, and the hidden ones of the tail */
-                for (int64_t j = n; j < 16 * groups; j++) s[j] = -INFINITY;
-                const int64_t first = T - tail; /* the tail's first key */
-                if (start + n > first) {
-                    const uint8_t *hr = hidden + r * tail;
-                    for (int64_t j = (first > start ? first - start : 0); j < n; j++)
-                        if (hr[start + j - first]) s[j] = -INFINITY;
-                }
+                /* keys this row does not see: past n, and past the tail keys it sees */
+                const int64_t lim = first + count[r] - start < n ? first + count[r] - start : n;
+                for (int64_t j = lim > 0 ? lim : 0; j < 16 * groups; j++) s[j] = -INFINITY;
                 __m512 mv = _mm512_set1_ps(-INFINITY);
                 for (int64_t g = 0; g < groups; g++) mv = _mm512_max_ps(mv, _mm512_load_ps(s + 16 * g));
                 const float m = _mm512_reduce_max_ps(mv);
