@@ -97,14 +97,15 @@ def tail_order(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return order.contiguous(), (~hidden).sum(1, dtype=torch.int32)
 
 
-def bf16_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+def bf16_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor,
+                   tail: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """query (B, H_kv, R, D) bf16 (already scaled), key and value (B, H_kv, T, D) bf16, hidden (R, tail) bool (True: row
     r does not see key T - tail + j) -> (B, H_kv, R, D) fp32. A row attends to the tail keys it sees as if they sat
     right after the prefix, in order (a tree node over its ancestors as the autoregressive step will see them once
-    they are committed). Check `supports` first."""
+    they are committed). `tail`: `tail_order(hidden)` where the caller has it already. Check `supports` first."""
     lib = library(key.shape[-1])
     q = query.contiguous()
-    order, count = tail_order(hidden)
+    order, count = tail or tail_order(hidden)
     b, h, rows, d = q.shape
     out = torch.empty(b, h, rows, d, dtype=torch.float32)
     failed = lib.se_bf16_attention(q.data_ptr(), *q.stride()[:3], key.data_ptr(), *key.stride()[:3],

@@ -10,7 +10,9 @@ import pytest
 
 from conftest import reference_greedy
 from specextend.tools import bundled, prompting
-from specextend.config import DraftConfig, RetrievalConfig, preset
+from specextend import events as ev
+from specextend import numerics
+from specextend.config import AttentionConfig, DraftConfig, RetrievalConfig, preset
 from specextend.engine import generate
 from specextend.models import load_pair, read_tokenizer
 
@@ -53,6 +55,29 @@ def test_real_pair_reading_the_prompt_in_bf16_agrees_across_methods(real):
         assert trace[0].prefill_dtype == "bfloat16"
         outputs[(method, shape)] = trace[-1].token_ids
     assert len(set(outputs.values())) == 1, outputs
+
+
+@pytest.mark.skipif(not numerics.packs_here(), reason="this CPU runs no oneDNN bf16 products (bf16-kv is not its default)")
+def test_real_pair_in_the_cpu_default_numerics_is_lossless_for_chains_and_trees(real):
+    """bf16-kv (the CPU default): every method and draft shape continues exactly as the target alone does in the same
+    numerics, trees included: there a tree once left the target alone's output (hamlet at ~2K, token 40), since its
+    nodes' keys sat in other slots than their tokens' would; now a node is attended as it will be once committed."""
+    pair, prompt, eos = real
+    retrieval = RetrievalConfig(chunk_size=16, top_k=6, retrieve_every=2, prefill_window=64)
+    outputs, moved = {}, 0
+    try:
+        for method, shape in [("autoregressive", "chain"), ("specextend", "chain"), ("specextend", "tree"),
+                              ("speculative", "tree")]:
+            config = preset(method, max_new_tokens=2 * NEW, eos_token_ids=eos, retrieval=retrieval,
+                            draft=DraftConfig(shape=shape), attention=AttentionConfig(numerics="bf16-kv"))
+            trace = list(generate(pair, prompt, config))
+            outputs[(method, shape)] = trace[-1].token_ids
+            moved += sum(list(e.accepted_nodes) != list(range(len(e.accepted_nodes)))
+                         for e in trace if isinstance(e, ev.Verified))
+    finally:
+        numerics.apply(pair.target, "fp32")
+    assert len(set(outputs.values())) == 1, outputs
+    assert moved >= 1  # some accepted path ran through nodes laid out after a sibling's
 
 
 def fp32_prefill(config):
