@@ -90,7 +90,9 @@ GPU_DRAFT = DraftConfig(shape="tree", max_depth=5, node_budget=15)
 # SpecExtend + lookup, bundled pair, bf16-kv, greedy, median of 3 documents, speed-up over the target alone at ~7K / ~1K:
 # k=1 1.28x / 2.36x, k=2 1.41x / 2.36x, k=3 1.37x / 2.31x, k=4 1.33x / 2.08x (a verified row costs ~2.4 ms of a 30 ms
 # step at 7.5K; the head's later tokens are rarely kept): python -m scripts.head_race --numerics bf16-kv --chains 1,2,3
-# --lengths 7168,1024 --docs 3
+# --lengths 7168,1024 --docs 3. Trees (exact in bf16-kv since its attention lays a node's ancestors out as committed)
+# raise tokens per step (1.75 -> 1.95-2.23 at ~7K) and run no faster: 1.06-1.33x against the chain's 1.34x at ~7K,
+# within a round's noise of it at ~2K, slower on unseen text (docs/RESULTS.md, "Trees in the CPU default")
 CPU_CHAIN = 2
 
 
