@@ -96,34 +96,6 @@ static void *scratch(void **buf, size_t *cap, size_t size) {
     return *buf;
 }
 
-/* Block keys [from, to) (block-relative) as the kernel reads them: key j's row is at key(j) (NULL: a zero key) ->
-   kt[p * BLOCK + j], dword p (dims 2p, 2p+1) of key j, whole vectors of 16 keys from the one holding `from`; values
-   -> vi[pair * VECS + x], keys 2j and 2j+1 interleaved, low and high halves per 32 dims, whole pairs likewise. */
-typedef const uint16_t *(*key_at)(const void *ctx, int64_t j, int which);
-
-static void lay_out(uint32_t *kt, __m512i *vi, int64_t from, int64_t to, key_at at, const void *ctx) {
-    for (int64_t g = from / 16; g < (to + 15) / 16; g++) {
-        for (int64_t c = 0; c < HEAD_DIM / 32; c++) {
-            __m512i rows[16];
-            for (int j = 0; j < 16; j++) {
-                const uint16_t *row = at(ctx, 16 * g + j, 0);
-                rows[j] = row ? _mm512_loadu_si512(row + 32 * c) : _mm512_setzero_si512();
-            }
-            transpose16(rows);
-            for (int p = 0; p < 16; p++) _mm512_store_si512(kt + (16 * c + p) * BLOCK + 16 * g, rows[p]);
-        }
-    }
-    for (int64_t j = from / 2; j < (to + 1) / 2; j++) {
-        const uint16_t *a = at(ctx, 2 * j, 1), *z = at(ctx, 2 * j + 1, 1);
-        for (int64_t c = 0; c < HEAD_DIM / 32; c++) {
-            __m512i lo = a ? _mm512_loadu_si512(a + 32 * c) : _mm512_setzero_si512();
-            __m512i hi = z ? _mm512_loadu_si512(z + 32 * c) : _mm512_setzero_si512();
-            vi[j * VECS + 2 * c] = _mm512_unpacklo_epi16(lo, hi);
-            vi[j * VECS + 2 * c + 1] = _mm512_unpackhi_epi16(lo, hi);
-        }
-    }
-}
-
 /* Where a block's key j lies for one row: the prefix in place, then the tail keys the row sees, in its order. */
 typedef struct {
     const uint16_t *k, *v;      /* the (batch, head)'s keys and values */
@@ -132,8 +104,7 @@ typedef struct {
     int32_t count;              /* tail keys the row sees */
 } block_keys;
 
-static const uint16_t *block_key(const void *ctx, int64_t j, int which) {
-    const block_keys *b = ctx;
+static inline const uint16_t *block_key(const block_keys *b, int64_t j, int which) {
     int64_t at = b->start + j;
     if (j >= b->n) return NULL;
     if (b->order && at >= b->first) {
@@ -141,6 +112,32 @@ static const uint16_t *block_key(const void *ctx, int64_t j, int which) {
         at = b->first + b->order[at - b->first];
     }
     return which ? b->v + at * b->v_st : b->k + at * b->k_st;
+}
+
+/* Block keys [from, to) (block-relative) as the kernel reads them: key j's row is at key(j) (NULL: a zero key) ->
+   kt[p * BLOCK + j], dword p (dims 2p, 2p+1) of key j, whole vectors of 16 keys from the one holding `from`; values
+   -> vi[pair * VECS + x], keys 2j and 2j+1 interleaved, low and high halves per 32 dims, whole pairs likewise. */
+static void lay_out(uint32_t *kt, __m512i *vi, int64_t from, int64_t to, const block_keys *at) {
+    for (int64_t g = from / 16; g < (to + 15) / 16; g++) {
+        for (int64_t c = 0; c < HEAD_DIM / 32; c++) {
+            __m512i rows[16];
+            for (int j = 0; j < 16; j++) {
+                const uint16_t *row = block_key(at, 16 * g + j, 0);
+                rows[j] = row ? _mm512_loadu_si512(row + 32 * c) : _mm512_setzero_si512();
+            }
+            transpose16(rows);
+            for (int p = 0; p < 16; p++) _mm512_store_si512(kt + (16 * c + p) * BLOCK + 16 * g, rows[p]);
+        }
+    }
+    for (int64_t j = from / 2; j < (to + 1) / 2; j++) {
+        const uint16_t *a = block_key(at, 2 * j, 1), *z = block_key(at, 2 * j + 1, 1);
+        for (int64_t c = 0; c < HEAD_DIM / 32; c++) {
+            __m512i lo = a ? _mm512_loadu_si512(a + 32 * c) : _mm512_setzero_si512();
+            __m512i hi = z ? _mm512_loadu_si512(z + 32 * c) : _mm512_setzero_si512();
+            vi[j * VECS + 2 * c] = _mm512_unpacklo_epi16(lo, hi);
+            vi[j * VECS + 2 * c + 1] = _mm512_unpackhi_epi16(lo, hi);
+        }
+    }
 }
 
 /* q: (B, H, R, D) bf16; k, v: (B, H, T, D) bf16 with strides in elements (rows contiguous); order: (R, tail) int32,
@@ -178,7 +175,7 @@ int se_bf16_attention(const uint16_t *q, int64_t q_sb, int64_t q_sh, int64_t q_s
             const uint16_t *kb = k + b * k_sb + h * k_sh, *vb = v + b * v_sb + h * v_sh;
             const int64_t first = T - tail; /* the tail's first key */
             block_keys in_place = {kb, vb, k_st, v_st, start, n, first, NULL, 0};
-            lay_out(kt, vi, 0, 16 * groups, block_key, &in_place); /* zero keys past n */
+            lay_out(kt, vi, 0, 16 * groups, &in_place); /* zero keys past n */
             /* rows that see the tail in place (a chain, the autoregressive step) first, over the block as laid out;
                then each row that sees it otherwise (a tree node), over the block with its own tail keys in its own
                places: the layout of every key from the tail's first on is made again for it */
@@ -191,7 +188,7 @@ int se_bf16_attention(const uint16_t *q, int64_t q_sb, int64_t q_sh, int64_t q_s
                 if (in_order == pass) continue;
                 if (pass && start + n > first) {
                     block_keys mine = {kb, vb, k_st, v_st, start, n, first, ro, count[r]};
-                    lay_out(kt, vi, own, n, block_key, &mine);
+                    lay_out(kt, vi, own, n, &mine);
                 }
                 const uint32_t *qp = (const uint32_t *)(q + b * q_sb + h * q_sh + r * q_sr);
                 /* scores, 16 keys a vector, four vectors at a time; two accumulators per vector (even and odd dim
