@@ -44,7 +44,7 @@ def run_once(loaded, prompt, config, settings: Settings, draw: bool) -> tuple[fl
     job.start()
     meter = RedrawMeter(settings.redraw_s, settings.redraw_share)
     while draw:
-        finished = job.done.wait(meter.wait())
+        finished = job.wait(meter.wait())
         meter.start()
         view = main_view(job.snapshot(), config.method, loaded.codec.decode)
         for spec in (view.retrieval, view.acceptance, view.throughput):

@@ -130,9 +130,21 @@ class Job:
     done: threading.Event = field(default_factory=threading.Event)
     began: float = 0.0  # perf_counter when it started, and when it ended
     ended: float = 0.0
+    wake: threading.Event = field(default_factory=threading.Event)  # set when it ends or a notice is given
 
     def say(self, message: str) -> None:
         self.status = message
+
+    def notify(self, notice: str) -> None:
+        """Give the user a word that progress lines must not overwrite; a redraw waiting in `wait` shows it now."""
+        self.notice = notice
+        self.wake.set()
+
+    def wait(self, timeout: float) -> bool:
+        """Until it ends, a notice is given or `timeout` seconds pass (a redraw's pace); whether it has ended."""
+        self.wake.wait(timeout)
+        self.wake.clear()
+        return self.done.is_set()
 
     def start(self) -> Job:
         self.began = time.perf_counter()
@@ -154,6 +166,7 @@ class Job:
         finally:
             self.ended = time.perf_counter()
             self.done.set()
+            self.wake.set()
         release_memory()  # the run's caches and prefill copies went with _run's frame: hand their pages back
 
     def _run(self) -> None:

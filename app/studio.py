@@ -119,7 +119,8 @@ class Studio(Stepping):
         hold the slots and when, by how long recent runs took, one should free up."""
         job = state.job if state is not None else None
         if job is not None and not job.done.is_set():
-            job.notice = RUN_IS_GOING  # kept in the status until the run ends: progress lines must not hide it
+            job.notify(RUN_IS_GOING)  # kept in the status until the run ends: progress lines must not hide it, and
+            # the run's next redraw comes at once (one computed before this word could land after it)
             return status_html([job.status, job.notice])
         now = time.perf_counter()
         active = [j for j in self.generations if not j.done.is_set()]
@@ -383,7 +384,7 @@ class Studio(Stepping):
         sent: list[Any] = []
         charted = -1e9
         while True:
-            finished = job.done.wait(meter.wait())
+            finished = job.wait(meter.wait())
             meter.start()
             runs = job.snapshot()
             decode = job.codec.decode if job.codec is not None else (lambda ids: "")

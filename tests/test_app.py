@@ -589,6 +589,27 @@ def test_run_pressed_during_a_run_says_a_run_is_going_until_it_ends():
     assert "a slot is free" in studio.queued(state)  # once ended, a click starts a run again
 
 
+def test_the_notice_reaches_the_page_at_once_whatever_the_redraw_pace():
+    """A redraw computed just before Run's second click could land after the click's answer and hide it; the run's
+    stream then carries the notice only at its next redraw, which a slow pace (a busy machine makes drawing cost more
+    and redraws rarer) can put minutes away. The notice wakes the stream: its next message comes at once and says it."""
+    from app.studio import RUN_IS_GOING, SessionState, Studio
+
+    studio = Studio(fake_factory(step_s=0.02), Settings(redraw_s=600.0))
+    state = SessionState()
+    stream = studio_run(studio, state, max_new_tokens=2000)
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(next(stream)), daemon=True)
+    reader.start()  # the stream starts the run, then waits for its first redraw
+    while state.job is None:
+        time.sleep(0.01)
+    studio.queued(state)
+    reader.join(timeout=60)  # not the redraw pause (600 s): the notice woke it
+    assert got and RUN_IS_GOING in html.unescape(got[0][0])
+    state.stop()
+    assert "Stopped, as asked" in list(stream)[-1][0]
+
+
 def test_stop_is_said_until_the_run_ends_and_then_the_end_is_said(monkeypatch):
     """Once Stop is pressed no progress line replaces "Stopping" while the run winds down; the run's last message
     says it stopped as asked; Stop's own answer is "Stopping" only while the run has not ended (else it leaves the
