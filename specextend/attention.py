@@ -241,7 +241,9 @@ def bf16_cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     they sat right after the prefix, in order: a chain's row or a tree node gets the same bits as the autoregressive
     step will once its ancestors are committed, whatever kernel the plan names. Over 7,680 keys (3 KV heads of 64,
     one thread, busy machine) 3 folded rows took 0.25-0.34 ms this way against 0.9-3.0 ms in PyTorch's CPU flash
-    kernel (bf16 or fp32) and 6-16 ms in SDPA with grouped heads in bf16; at 51 rows they were even."""
+    kernel (bf16 or fp32) and 6-16 ms in SDPA with grouped heads in bf16; at 51 rows they were even. Where the kernel
+    cannot run, each new token is attended alone over its own keys: one masked product over every row's keys summed
+    them in other groupings (5 of 200 random chains and trees differed from the row alone)."""
     q_heads, kv_heads = query.shape[1], key.shape[1]
     groups, rows = q_heads // kv_heads, query.shape[2]
     q = fold_heads(query * scale, kv_heads).to(key.dtype)  # (B, H_kv, G*T_q, D)
