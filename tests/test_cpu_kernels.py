@@ -4,7 +4,6 @@ method's greedy output equal to the target alone's in bf16-kv, and steps aside (
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 
 import pytest
@@ -71,16 +70,13 @@ def kernel(on: bool):
     """The kernel in use (`on`), or PyTorch's path as where it cannot run."""
     if on and not BUILT:
         pytest.skip(f"the bf16 attention kernel is not in use here: {cpu_kernels.status()}")
-    before = os.environ.get("SPECEXTEND_CPU_KERNELS")
-    os.environ["SPECEXTEND_CPU_KERNELS"] = "on" if on else "off"
-    cpu_kernels.library.cache_clear()
-    try:
-        yield
-    finally:
-        os.environ.pop("SPECEXTEND_CPU_KERNELS")
-        if before is not None:
-            os.environ["SPECEXTEND_CPU_KERNELS"] = before
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECEXTEND_CPU_KERNELS", "on" if on else "off")
         cpu_kernels.library.cache_clear()
+        try:
+            yield
+        finally:
+            cpu_kernels.library.cache_clear()
 
 
 def parents_of(draws: list[int]) -> list[int]:
@@ -159,10 +155,8 @@ def test_every_method_and_draft_shape_equals_the_target_alone_in_bf16_kv(monkeyp
             numerics.apply(pair.target, "fp32")
 
 
-def test_without_the_kernel_pytorch_attends(monkeypatch):
-    monkeypatch.setenv("SPECEXTEND_CPU_KERNELS", "off")
-    cpu_kernels.library.cache_clear()
-    try:
+def test_without_the_kernel_pytorch_attends():
+    with kernel(False):
         assert cpu_kernels.status() == "turned off (SPECEXTEND_CPU_KERNELS=off)"
         k, v = cache(300)
         assert not cpu_kernels.supports(k, k, v)
@@ -172,9 +166,6 @@ def test_without_the_kernel_pytorch_attends(monkeypatch):
         folded = (q * 0.125).reshape(1, 3, 6, 64).bfloat16()
         want = reference(folded, k, v, ~mask.repeat(3, 1)).reshape(1, 9, 2, 64)
         torch.testing.assert_close(out.float(), want, atol=1e-2, rtol=1e-2)
-    finally:
-        monkeypatch.delenv("SPECEXTEND_CPU_KERNELS")
-        cpu_kernels.library.cache_clear()
 
 
 def test_a_kernel_that_cannot_be_built_says_why(monkeypatch, tmp_path):
